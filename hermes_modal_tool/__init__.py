@@ -1,0 +1,48 @@
+"""hermes_modal_tool: isolated shell workspaces (slots) for agent trajectories, pooled.
+
+The generic names (:class:`SandboxConfig`, :class:`ToolBackend`) are the primary
+API; :class:`ModalSandboxConfig` and :class:`ModalToolBackend` are the same classes
+with ``driver="modal"`` as the default, kept so code written for the original
+Atropos Modal backend works by changing only the import.
+"""
+
+from .backend import ModalToolBackend, ToolBackend
+from .config import ModalSandboxConfig, SandboxConfig, load_profiles
+from .errors import (
+    BackendClosedError,
+    CommandTimeoutError,
+    ConfigError,
+    HermesModalToolError,
+    IsolationUnavailableError,
+    PoolTimeoutError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxStartError,
+    SecretNotFoundError,
+    UsageError,
+)
+from .slots import ExecutionResult, Slot, SlotState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendClosedError",
+    "CommandTimeoutError",
+    "ConfigError",
+    "ExecutionResult",
+    "HermesModalToolError",
+    "IsolationUnavailableError",
+    "ModalSandboxConfig",
+    "ModalToolBackend",
+    "PoolTimeoutError",
+    "SandboxConfig",
+    "SandboxDiedError",
+    "SandboxError",
+    "SandboxStartError",
+    "SecretNotFoundError",
+    "Slot",
+    "SlotState",
+    "ToolBackend",
+    "UsageError",
+    "load_profiles",
+]

@@ -1,0 +1,66 @@
+"""The in-sandbox agent and how a driver starts it.
+
+A driver runs ``python3 -I -S -c BOOTSTRAP`` in the sandbox (locally, or through
+one long-lived Modal ``exec``) and writes :func:`bundle` to its stdin, followed by
+protocol frames. The bootstrap reads the bundle (the agent's stdlib-only modules),
+installs them under their package names and starts the agent, so no image needs
+our code installed: any image with ``python3`` >= 3.8 works.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+# Modules sent into the sandbox, in import order (dependencies first).
+_MODULES = (
+    ("hermes_modal_tool", None),
+    ("hermes_modal_tool.protocol", "protocol.py"),
+    ("hermes_modal_tool.agent", None),
+    ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
+    ("hermes_modal_tool.agent.files", "agent/files.py"),
+    ("hermes_modal_tool.agent.shell", "agent/shell.py"),
+    ("hermes_modal_tool.agent.main", "agent/main.py"),
+)
+
+BOOTSTRAP = (
+    "import os,sys,json,types\n"
+    "def r(n):\n"
+    " b=b''\n"
+    " while len(b)<n:\n"
+    "  c=os.read(0,n-len(b))\n"
+    "  if not c: sys.exit(3)\n"
+    "  b+=c\n"
+    " return b\n"
+    "for name,src in json.loads(r(int(r(10))).decode()):\n"
+    " m=types.ModuleType(name);m.__file__='<hermes-modal-tool:%s>'%name\n"
+    " if src is None: m.__path__=[];m.__package__=name\n"
+    " else: m.__package__=name.rpartition('.')[0]\n"
+    " sys.modules[name]=m\n"
+    " p=sys.modules.get(m.__package__)\n"
+    " if p is not None and p is not m: setattr(p,name.rpartition('.')[2],m)\n"
+    " if src: exec(compile(src,m.__file__,'exec'),m.__dict__)\n"
+    "sys.modules['hermes_modal_tool.agent.main'].main()\n"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def bundle() -> bytes:
+    """Return the bytes a driver writes to the agent's stdin before any frame.
+
+    Shape: a 10-digit ASCII length, then that many bytes of JSON
+    ``[[module_name, source_or_null], ...]``.
+    """
+    root = resources.files("hermes_modal_tool")
+    mods = []
+    for name, rel in _MODULES:
+        src = None if rel is None else root.joinpath(rel).read_text(encoding="utf-8")
+        mods.append([name, src])
+    payload = json.dumps(mods).encode("utf-8")
+    return b"%010d" % len(payload) + payload
+
+
+def command(python: str = "python3") -> list[str]:
+    """The argv that starts the agent with ``python`` (``-I -S``: no site, no user env)."""
+    return [python, "-I", "-S", "-c", BOOTSTRAP]

@@ -1,0 +1,491 @@
+"""File tools confined to a slot's workspace, safe against symlink and swap tricks.
+
+Stdlib-only, Python 3.8.
+
+Paths are relative to the workspace root, or absolute under the path the slot
+sees its workspace at (``/data/slot_3/...``). Every path is walked one component
+at a time with ``openat``-style calls and ``O_NOFOLLOW`` from a descriptor of the
+workspace root, so a symlink swapped in between a check and a use cannot lead
+outside it (the kernel refuses to follow it). Symlinks inside the workspace are
+followed only while they stay inside it; ``..`` cannot climb above the root.
+When the slot runs as its own uid, files the agent creates are given to that uid,
+and a file not owned by it is refused (so a hard link to a foreign file is no way
+out).
+"""
+
+import base64
+import hashlib
+import io
+import os
+import stat
+import tarfile
+import time
+import zipfile
+
+MAX_READ_BYTES = 64 * 1024 * 1024
+MAX_LINKS = 40
+
+
+class FileToolError(Exception):
+    """Raised for a bad path or file operation; the message is shown to the model."""
+
+
+class Workspace:
+    """One slot's workspace as the agent sees it (``host``) and as the slot sees it (``path``)."""
+
+    def __init__(self, host, path, uid=None, gid=None):
+        self.host = host
+        self.path = path.rstrip("/") or "/"
+        self.uid = uid
+        self.gid = gid
+
+    # -- path walking --------------------------------------------------------
+    def _parts(self, path):
+        if not isinstance(path, str):
+            raise FileToolError("path must be a string, got %s" % type(path).__name__)
+        if "\x00" in path:
+            raise FileToolError("path contains a NUL byte: %r" % path)
+        if path.startswith("/"):
+            if path == self.path or path.startswith(self.path + "/"):
+                path = path[len(self.path):]
+            else:
+                raise FileToolError(
+                    "path %r is outside the workspace %s; use a relative path or one under it"
+                    % (path, self.path))
+        return [p for p in path.split("/") if p not in ("", ".")]
+
+    def walk(self, path, create_parents=False):
+        """Resolve ``path`` to ``(dir_fd, name, shown)``; ``name`` is None for the root.
+
+        The caller owns ``dir_fd`` and must close it. ``shown`` is the path the
+        slot would use.
+        """
+        todo = self._parts(path)
+        root = os.open(self.host, os.O_RDONLY | os.O_DIRECTORY)
+        stack = [root]
+        names = []
+        links = 0
+        try:
+            while todo:
+                part = todo.pop(0)
+                if part == "..":
+                    if len(stack) == 1:
+                        raise FileToolError("path %r escapes the workspace" % path)
+                    os.close(stack.pop())
+                    names.pop()
+                    continue
+                try:
+                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
+                except FileNotFoundError:
+                    if not todo:
+                        break
+                    if not create_parents:
+                        raise FileToolError(
+                            "no such directory: %s" % self._show(names + [part])) from None
+                    os.mkdir(part, 0o755, dir_fd=stack[-1])
+                    self._own(part, stack[-1])
+                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    links += 1
+                    if links > MAX_LINKS:
+                        raise FileToolError("too many symbolic links in %r" % path)
+                    target = os.readlink(part, dir_fd=stack[-1])
+                    if target.startswith("/"):
+                        rel = self._link_target(target, path)
+                        for fd in stack[1:]:
+                            os.close(fd)
+                        del stack[1:]
+                        names = []
+                        todo = rel + todo
+                    else:
+                        todo = [p for p in target.split("/") if p not in ("", ".")] + todo
+                    continue
+                if not todo:
+                    break
+                if not stat.S_ISDIR(st.st_mode):
+                    raise FileToolError("not a directory: %s" % self._show(names + [part]))
+                fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=stack[-1])
+                stack.append(fd)
+                names.append(part)
+            else:
+                part = None
+            if part is not None:
+                names.append(part)
+            dir_fd = stack.pop()
+            for fd in stack:
+                os.close(fd)
+            return dir_fd, part, self._show(names)
+        except BaseException:
+            for fd in stack:
+                os.close(fd)
+            raise
+
+    def _link_target(self, target, path):
+        if target == self.path or target.startswith(self.path + "/"):
+            return [p for p in target[len(self.path):].split("/") if p not in ("", ".")]
+        raise FileToolError("path %r goes through a symbolic link to %s, outside the workspace"
+                            % (path, target))
+
+    def _show(self, names):
+        return "/".join([self.path] + list(names))
+
+    def _own(self, name, dir_fd):
+        if self.uid is not None:
+            os.chown(name, self.uid, self.gid, dir_fd=dir_fd, follow_symlinks=False)
+
+    def _check_owner(self, st, shown):
+        if self.uid is not None and st.st_uid != self.uid:
+            raise FileToolError("%s is not owned by this slot" % shown)
+
+    # -- operations ---------------------------------------------------------------
+    def open_read(self, path):
+        """Open a regular file for reading; return ``(fileobj, stat, shown)``."""
+        dir_fd, name, shown = self.walk(path)
+        try:
+            if name is None:
+                raise FileToolError("%s is a directory" % shown)
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise FileToolError("no such file: %s" % shown) from None
+            except OSError as exc:
+                raise FileToolError("cannot open %s: %s" % (shown, exc.strerror)) from None
+        finally:
+            os.close(dir_fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise FileToolError("%s is %s" % (shown, kind))
+        try:
+            self._check_owner(st, shown)
+        except FileToolError:
+            os.close(fd)
+            raise
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), st, shown
+
+    def read_bytes(self, path, offset=0, limit=None):
+        fh, st, shown = self.open_read(path)
+        with fh:
+            if offset:
+                fh.seek(offset)
+            want = MAX_READ_BYTES if limit is None else min(limit, MAX_READ_BYTES)
+            data = fh.read(want)
+        return data, st, shown
+
+    def write_bytes(self, path, data, append=False):
+        dir_fd, name, shown = self.walk(path, create_parents=True)
+        try:
+            if name is None:
+                raise FileToolError("%s is a directory" % shown)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+            try:
+                fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+            except IsADirectoryError:
+                raise FileToolError("%s is a directory" % shown) from None
+            except OSError as exc:
+                raise FileToolError("cannot write %s: %s" % (shown, exc.strerror)) from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise FileToolError("%s is not a regular file" % shown)
+                self._check_owner_or_new(st, shown)
+                if self.uid is not None:
+                    os.fchown(fd, self.uid, self.gid)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
+        return shown
+
+    def _check_owner_or_new(self, st, shown):
+        # A file the agent just created is owned by the agent (root) until fchown.
+        if self.uid is not None and st.st_uid not in (self.uid, os.geteuid()):
+            raise FileToolError("%s is not owned by this slot" % shown)
+        if self.uid is not None and st.st_uid == os.geteuid() and st.st_nlink > 1:
+            raise FileToolError("%s has other hard links; refusing to write through it" % shown)
+
+    def list_dir(self, path=".", recursive=False, max_entries=1000):
+        """Return ``(entries, truncated)``; each entry is ``{path, type, size}``."""
+        dir_fd, name, shown = self.walk(path)
+        try:
+            if name is not None:
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    raise FileToolError("no such directory: %s" % shown) from None
+                except OSError as exc:
+                    raise FileToolError("cannot list %s: %s" % (shown, exc.strerror)) from None
+            else:
+                fd = os.dup(dir_fd)
+        finally:
+            os.close(dir_fd)
+        entries = []
+        truncated = self._scan(fd, "", recursive, max_entries, entries)
+        return entries, truncated, shown
+
+    def _scan(self, fd, prefix, recursive, max_entries, out):
+        try:
+            names = sorted(os.listdir(fd))
+            for entry in names:
+                if len(out) >= max_entries:
+                    return True
+                try:
+                    st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                rel = prefix + entry
+                kind = ("dir" if stat.S_ISDIR(st.st_mode) else "symlink" if stat.S_ISLNK(st.st_mode)
+                        else "file" if stat.S_ISREG(st.st_mode) else "other")
+                out.append({"path": rel, "type": kind, "size": st.st_size})
+                if recursive and kind == "dir":
+                    try:
+                        sub = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    except OSError:
+                        continue
+                    if self._scan(sub, rel + "/", True, max_entries, out):
+                        return True
+            return False
+        finally:
+            os.close(fd)
+
+    def archive(self, path=".", fmt="tar.gz", max_bytes=None, max_entries=None):
+        """Archive a directory (or one file) without following symlinks; return bytes."""
+        if fmt not in ("tar.gz", "tar", "zip"):
+            raise FileToolError("unknown archive_format %r; use tar.gz, tar or zip" % fmt)
+        entries, truncated, shown = self.list_dir(path, recursive=True,
+                                                  max_entries=max_entries or 100000)
+        if truncated and max_entries:
+            raise FileToolError("%s has more than max_entries=%d entries" % (shown, max_entries))
+        buf = io.BytesIO()
+        base = shown[len(self.path):].lstrip("/")
+        total = [0]
+
+        def add_bytes(n):
+            total[0] += n
+            if max_bytes and total[0] > max_bytes:
+                raise FileToolError("archive of %s exceeds max_bytes=%d" % (shown, max_bytes))
+
+        if fmt == "zip":
+            zf = zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED)
+        else:
+            tf = tarfile.open(fileobj=buf, mode="w:gz" if fmt == "tar.gz" else "w")
+        try:
+            for entry in entries:
+                rel = entry["path"]
+                full = (base + "/" + rel) if base else rel
+                if entry["type"] == "file":
+                    fh, st, _ = self.open_read(full)
+                    with fh:
+                        data = fh.read()
+                    add_bytes(len(data))
+                    if fmt == "zip":
+                        zf.writestr(rel, data)
+                    else:
+                        info = tarfile.TarInfo(rel)
+                        info.size = len(data)
+                        info.mode = st.st_mode & 0o777
+                        info.mtime = int(st.st_mtime)
+                        tf.addfile(info, io.BytesIO(data))
+                elif entry["type"] == "dir" and fmt != "zip":
+                    info = tarfile.TarInfo(rel)
+                    info.type = tarfile.DIRTYPE
+                    info.mode = 0o755
+                    info.mtime = int(time.time())
+                    tf.addfile(info)
+                elif entry["type"] == "symlink" and fmt != "zip":
+                    dir_fd, name, _ = self.walk(os.path.dirname(full) or ".")
+                    try:
+                        target = os.readlink(os.path.basename(full), dir_fd=dir_fd)
+                    finally:
+                        os.close(dir_fd)
+                    info = tarfile.TarInfo(rel)
+                    info.type = tarfile.SYMTYPE
+                    info.linkname = target
+                    tf.addfile(info)
+        finally:
+            if fmt == "zip":
+                zf.close()
+            else:
+                tf.close()
+        data = buf.getvalue()
+        if max_bytes and len(data) > max_bytes:
+            raise FileToolError("archive of %s is %d bytes, over max_bytes=%d"
+                                % (shown, len(data), max_bytes))
+        return data, len(entries), shown
+
+    def wipe(self):
+        """Empty the workspace (the directory itself stays, owned by the slot)."""
+        _rmtree_contents(self.host)
+        if not os.path.isdir(self.host):
+            os.makedirs(self.host, exist_ok=True)
+        os.chmod(self.host, 0o700 if self.uid is not None else 0o755)
+        if self.uid is not None:
+            os.chown(self.host, self.uid, self.gid)
+
+
+def _rmtree_contents(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        _rm_in(fd)
+    finally:
+        os.close(fd)
+
+
+def _rm_in(fd):
+    try:
+        os.fchmod(fd, 0o700)
+    except OSError:
+        pass
+    for name in os.listdir(fd):
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                _rm_in(sub)
+            finally:
+                os.close(sub)
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError:
+                pass
+        else:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except OSError:
+                pass
+
+
+# -- tool entry points: (workspace, args) -> result pieces --------------------------
+
+def _opt_int(args, key, default, minimum=0):
+    value = args.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise FileToolError("%s must be an integer >= %d, got %r" % (key, minimum, value))
+    return value
+
+
+def _encoding(args):
+    enc = args.get("encoding", "text") or "text"
+    if enc not in ("text", "base64"):
+        raise FileToolError("encoding must be 'text' or 'base64', got %r" % (enc,))
+    return enc
+
+
+def _require_path(args):
+    path = args.get("path")
+    if not isinstance(path, str) or not path:
+        raise FileToolError("missing required argument 'path' (a non-empty string)")
+    return path
+
+
+def read_file(ws, args):
+    """``{path, offset, limit, encoding}``: text reads lines (``offset`` 0-based first line,
+    ``limit`` max lines); base64 reads bytes (``offset``/``limit`` in bytes)."""
+    path = _require_path(args)
+    enc = _encoding(args)
+    offset = _opt_int(args, "offset", 0)
+    limit = _opt_int(args, "limit", None, 1)
+    if enc == "base64":
+        data, st, shown = ws.read_bytes(path, offset, limit)
+        return base64.b64encode(data).decode(), {"path": shown, "size": st.st_size,
+                                                 "bytes": len(data), "encoding": "base64"}
+    data, st, shown = ws.read_bytes(path)
+    text = data.decode("utf-8", "replace")
+    lines = text.splitlines(True)
+    end = len(lines) if limit is None else offset + limit
+    chosen = "".join(lines[offset:end])
+    return chosen, {"path": shown, "size": st.st_size, "total_lines": len(lines),
+                    "first_line": offset, "lines": len(lines[offset:end]), "encoding": "text"}
+
+
+def write_file(ws, args):
+    path = _require_path(args)
+    enc = _encoding(args)
+    content = args.get("content")
+    if not isinstance(content, str):
+        raise FileToolError("missing required argument 'content' (a string)")
+    append = args.get("append", False)
+    if not isinstance(append, bool):
+        raise FileToolError("append must be true or false, got %r" % (append,))
+    if enc == "base64":
+        try:
+            data = base64.b64decode(content.encode("ascii"), validate=True)
+        except (ValueError, UnicodeEncodeError) as exc:
+            raise FileToolError("content is not valid base64: %s" % exc) from None
+    else:
+        data = content.encode("utf-8", "surrogatepass")
+    shown = ws.write_bytes(path, data, append=append)
+    verb = "appended" if append else "wrote"
+    return "%s %d bytes to %s" % (verb, len(data), shown), {"path": shown, "bytes": len(data)}
+
+
+def list_files(ws, args):
+    path = args.get("path") or "."
+    recursive = bool(args.get("recursive", False))
+    max_entries = _opt_int(args, "max_entries", 1000, 1)
+    entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
+    lines = [e["path"] + ("/" if e["type"] == "dir" else "") for e in entries]
+    if truncated:
+        lines.append("... (more than %d entries)" % max_entries)
+    return "\n".join(lines), {"path": shown, "entries": entries, "truncated": truncated}
+
+
+def read_artifact(ws, args):
+    path = _require_path(args)
+    enc = _encoding(args)
+    max_bytes = _opt_int(args, "max_bytes", None, 1)
+    data, st, shown = ws.read_bytes(path, 0, max_bytes)
+    content = base64.b64encode(data).decode() if enc == "base64" else data.decode("utf-8", "replace")
+    info = {"path": shown, "content": content, "encoding": enc, "size": st.st_size,
+            "truncated": len(data) < st.st_size}
+    if args.get("include_sha256"):
+        info["sha256"] = hashlib.sha256(data).hexdigest()
+    return content, info
+
+
+def list_artifacts(ws, args):
+    path = args.get("path") or "."
+    recursive = bool(args.get("recursive", False))
+    max_entries = _opt_int(args, "max_entries", 10000, 1)
+    entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
+    names = [e["path"] for e in entries if not recursive or e["type"] != "dir"]
+    return "\n".join(names), {"path": shown, "entries": names, "details": entries,
+                              "truncated": truncated}
+
+
+def archive_artifacts(ws, args):
+    path = args.get("path") or "."
+    fmt = args.get("archive_format", "tar.gz") or "tar.gz"
+    max_bytes = _opt_int(args, "max_bytes", None, 1)
+    max_entries = _opt_int(args, "max_entries", None, 1)
+    data, count, shown = ws.archive(path, fmt, max_bytes, max_entries)
+    encoded = base64.b64encode(data).decode()
+    return ("archived %d entries of %s (%d bytes, %s)" % (count, shown, len(data), fmt),
+            {"path": shown, "archive_base64": encoded, "format": fmt, "entries": count,
+             "bytes": len(data)})
+
+
+TOOLS = {
+    "read_file": read_file,
+    "write_file": write_file,
+    "list_files": list_files,
+    "read_artifact": read_artifact,
+    "list_artifacts": list_artifacts,
+    "archive_artifacts": archive_artifacts,
+}

@@ -1,0 +1,354 @@
+"""How a slot's shell is started: bubblewrap namespaces, cgroups or rlimits, its own uid.
+
+Stdlib-only, Python 3.8. Runs inside the sandbox (for the local driver the
+"sandbox" is the host, so this is where host isolation happens).
+
+Each slot gets, when ``isolation == "bwrap"``:
+- its own user, PID, IPC and UTS namespaces (and network namespace with loopback
+  only when the profile has ``network: false``);
+- a root filesystem built from the sandbox's top-level directories bound
+  read-only, with the home directories (``/home``, ``/root``), ``/tmp``, ``/run``,
+  ``/mnt`` and ``/media`` replaced by empty tmpfs and the agent's state directory
+  hidden; only its own workspace is writable and no other slot's is mounted;
+- a private ``/tmp``, a minimal ``/dev`` and its own ``/proc``.
+When the agent runs as root, each slot also runs as its own unprivileged uid
+(``uid_base + slot``), so the kernel's permission checks separate slots too.
+"""
+
+import errno
+import json
+import os
+import resource
+import signal
+
+# Top-level directories never bound into a slot (replaced or omitted).
+HIDDEN_TOP = frozenset(("proc", "dev", "sys", "tmp", "run", "home", "root", "mnt", "media",
+                        "lost+found", "boot"))
+# Where a slot sees its control files (the command to run, its stdin).
+CTL_PATH = "/run/hermes-modal-tool"
+
+
+def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_fd):
+    """Return the bwrap argv prefix that starts one slot's sandboxed process.
+
+    Args:
+        bwrap: path of the ``bwrap`` executable.
+        ws_host: the slot workspace as the agent sees it.
+        ws_path: the path the slot sees it at (``{workspace_base}/slot_{N}``).
+        ctl_host: the slot's control directory (bound read-only at ``CTL_PATH``).
+        network: keep the sandbox's network (True) or loopback only (False).
+        hide: extra absolute paths to cover with an empty tmpfs.
+        hostname: the slot's hostname.
+        info_fd: fd bwrap writes ``{"child-pid": N}`` to.
+    """
+    argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            "--info-fd", str(info_fd), "--hostname", hostname]
+    if not network:
+        argv.append("--unshare-net")
+    ws_top = ws_path.strip("/").split("/")[0]
+    for name in sorted(os.listdir("/")):
+        if name in HIDDEN_TOP or name == ws_top:
+            continue
+        path = "/" + name
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
+             "--dir", "/home", "--dir", "/root", "--dir", "/mnt"]
+    if os.path.isdir("/var/tmp"):
+        argv += ["--tmpfs", "/var/tmp"]
+    for path in hide:
+        if path and path != "/" and _under_bound(path):
+            argv += ["--tmpfs", path]
+    argv += ["--dir", os.path.dirname(ws_path) or "/", "--bind", ws_host, ws_path,
+             "--ro-bind", ctl_host, CTL_PATH, "--chdir", ws_path]
+    return argv
+
+
+def _under_bound(path):
+    top = path.strip("/").split("/")[0]
+    return top not in HIDDEN_TOP and os.path.exists(path)
+
+
+def read_child_pid(info_fd):
+    """Read bwrap's ``--info-fd`` JSON; return the host pid of the sandbox's init, or None."""
+    data = b""
+    try:
+        while True:
+            chunk = os.read(info_fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:
+        pass
+    except OSError:
+        return None
+    try:
+        return int(json.loads(data.decode() or "{}").get("child-pid"))
+    except (ValueError, TypeError):
+        return None
+
+
+class Cgroups:
+    """Per-sandbox and per-slot cgroups (v1 or v2), or None when the machine refuses.
+
+    ``mode`` is ``"cgroup-v2"``, ``"cgroup-v1"`` or ``"rlimit"`` (the fallback).
+    """
+
+    CONTROLLERS = ("memory", "pids", "cpu")
+
+    def __init__(self, name, limits):
+        self.name = name
+        self.limits = limits
+        self.mode = "rlimit"
+        self.reason = ""
+        self._bases = {}  # controller -> sandbox cgroup dir
+        try:
+            self._setup()
+        except OSError as exc:
+            self.reason = "cgroups unavailable (%s); using rlimits" % (exc.strerror or exc,)
+            self.remove_all()
+            self._bases = {}
+            self.mode = "rlimit"
+
+    # -- setup -------------------------------------------------------------
+    def _setup(self):
+        mounts = _cgroup_mounts()
+        if "cgroup2" in mounts and not mounts.get("v1"):
+            root = mounts["cgroup2"]
+            own = _own_cgroup_path(v2=True)
+            parent = os.path.join(root, own.lstrip("/"), "hermes-modal-tool")
+            _mkdir(parent)
+            _write(os.path.join(os.path.dirname(parent), "cgroup.subtree_control"),
+                   "+memory +pids +cpu", ignore=(errno.EBUSY, errno.ENOENT))
+            _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids +cpu")
+            base = os.path.join(parent, self.name)
+            _mkdir(base)
+            _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids +cpu")
+            self._bases = {"unified": base}
+            self.mode = "cgroup-v2"
+        else:
+            v1 = mounts.get("v1", {})
+            for ctrl in self.CONTROLLERS:
+                if ctrl not in v1:
+                    raise OSError(errno.ENOENT, "no cgroup v1 %s controller mounted" % ctrl)
+            for ctrl in self.CONTROLLERS:
+                base = os.path.join(v1[ctrl], "hermes-modal-tool", self.name)
+                _mkdir(base)
+                self._bases[ctrl] = base
+            self.mode = "cgroup-v1"
+        self._apply(self._dirs(None), sandbox=True)
+
+    def _dirs(self, slot):
+        sub = "" if slot is None else "slot_%d" % slot
+        return {ctrl: os.path.join(base, sub) if sub else base for ctrl, base in self._bases.items()}
+
+    def _apply(self, dirs, sandbox):
+        lim = self.limits
+        mem = lim.get("memory_mb") if sandbox else lim.get("slot_memory_mb")
+        pids = lim.get("sandbox_pids") if sandbox else lim.get("pids")
+        cpu = lim.get("cpu") if sandbox else None
+        if self.mode == "cgroup-v2":
+            d = dirs["unified"]
+            if mem:
+                _write(os.path.join(d, "memory.max"), str(int(mem) * 1024 * 1024))
+                _write(os.path.join(d, "memory.swap.max"), "0", ignore=(errno.ENOENT,))
+            if pids:
+                _write(os.path.join(d, "pids.max"), str(int(pids)))
+            if cpu:
+                _write(os.path.join(d, "cpu.max"), "%d 100000" % max(1000, int(cpu * 100000)))
+        else:
+            if mem:
+                _write(os.path.join(dirs["memory"], "memory.limit_in_bytes"),
+                       str(int(mem) * 1024 * 1024))
+            if pids:
+                _write(os.path.join(dirs["pids"], "pids.max"), str(int(pids)))
+            if cpu:
+                _write(os.path.join(dirs["cpu"], "cpu.cfs_period_us"), "100000")
+                _write(os.path.join(dirs["cpu"], "cpu.cfs_quota_us"),
+                       str(max(1000, int(cpu * 100000))))
+
+    # -- per slot ----------------------------------------------------------
+    def slot_procs_files(self, slot):
+        """Create the slot's cgroups; return the ``cgroup.procs`` files to join."""
+        if self.mode == "rlimit":
+            return []
+        dirs = self._dirs(slot)
+        for d in dirs.values():
+            _mkdir(d)
+        self._apply(dirs, sandbox=False)
+        return [os.path.join(d, "cgroup.procs") for d in dirs.values()]
+
+    def slot_pids(self, slot):
+        """Host pids currently in the slot's cgroup (empty when not using cgroups)."""
+        if self.mode == "rlimit":
+            return []
+        pids = set()
+        for d in self._dirs(slot).values():
+            try:
+                with open(os.path.join(d, "cgroup.procs")) as fh:
+                    pids.update(int(x) for x in fh.read().split())
+            except OSError:
+                pass
+        return sorted(pids)
+
+    def kill_slot(self, slot):
+        """SIGKILL every process in the slot's cgroup."""
+        for pid in self.slot_pids(slot):
+            _kill(pid, signal.SIGKILL)
+
+    def remove_slot(self, slot):
+        for d in self._dirs(slot).values():
+            _rmdir(d)
+
+    def remove_all(self):
+        for base in self._bases.values():
+            if os.path.isdir(base):
+                for entry in os.listdir(base):
+                    if entry.startswith("slot_"):
+                        _rmdir(os.path.join(base, entry))
+            _rmdir(base)
+            _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
+
+    def memory_peak_exceeded(self, slot):
+        """True if the slot's memory cgroup has hit its limit (an OOM kill is likely)."""
+        if self.mode == "cgroup-v1":
+            path = os.path.join(self._dirs(slot)["memory"], "memory.failcnt")
+        elif self.mode == "cgroup-v2":
+            path = os.path.join(self._dirs(slot)["unified"], "memory.events")
+        else:
+            return False
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except OSError:
+            return False
+        if self.mode == "cgroup-v1":
+            return text.strip() not in ("", "0")
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip() != "0":
+                return True
+        return False
+
+
+def _cgroup_mounts():
+    found = {"v1": {}}
+    with open("/proc/self/mounts") as fh:
+        for line in fh:
+            parts = line.split()
+            if len(parts) < 4:
+                continue
+            mnt, fstype, opts = parts[1], parts[2], parts[3].split(",")
+            if fstype == "cgroup2":
+                found["cgroup2"] = mnt
+            elif fstype == "cgroup":
+                for ctrl in Cgroups.CONTROLLERS:
+                    if ctrl in opts and ctrl not in found["v1"]:
+                        found["v1"][ctrl] = mnt
+    return found
+
+
+def _own_cgroup_path(v2):
+    with open("/proc/self/cgroup") as fh:
+        for line in fh:
+            hid, ctrls, path = line.rstrip("\n").split(":", 2)
+            if v2 and hid == "0":
+                return path
+    return "/"
+
+
+def _mkdir(path):
+    os.makedirs(path, exist_ok=True)
+
+
+def _rmdir(path):
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _write(path, value, ignore=()):
+    try:
+        with open(path, "w") as fh:
+            fh.write(value)
+    except OSError as exc:
+        if exc.errno not in ignore:
+            raise
+
+
+def _kill(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def make_preexec(procs_files, rlimits, uid, gid):
+    """Return a ``preexec_fn``: join cgroups, set rlimits, drop to ``uid``/``gid``.
+
+    Runs in the child between fork and exec, so it only makes syscalls.
+    """
+
+    def preexec():
+        pid = str(os.getpid())
+        for path in procs_files:
+            with open(path, "w") as fh:
+                fh.write(pid)
+        for res, value in rlimits:
+            resource.setrlimit(res, (value, value))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+
+    return preexec
+
+
+def rlimits_for(limits, own_uid):
+    """The rlimits applied when cgroups are unavailable.
+
+    ``RLIMIT_NPROC`` counts processes per uid, so it is only set when the slot runs
+    as its own uid (``own_uid``); otherwise it would count the host user's processes.
+    """
+    out = [(resource.RLIMIT_CORE, 0)]
+    mem = limits.get("slot_memory_mb") or limits.get("memory_mb")
+    if mem:
+        out.append((resource.RLIMIT_AS, int(mem) * 1024 * 1024))
+    if own_uid and limits.get("pids"):
+        out.append((resource.RLIMIT_NPROC, int(limits["pids"])))
+    return out
+
+
+def ns_processes(ns_link=None, session=None):
+    """List ``(host_pid, ns_pid, ns_sid)`` of processes in a PID namespace or a session.
+
+    Args:
+        ns_link: ``readlink /proc/<pid>/ns/pid`` of the slot's init; match by namespace.
+        session: host session id; match by session (used without namespaces).
+    """
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if ns_link is not None and os.readlink("/proc/%d/ns/pid" % pid) != ns_link:
+                continue
+            with open("/proc/%d/status" % pid) as fh:
+                status = fh.read()
+        except OSError:
+            continue
+        nspid = nssid = None
+        for line in status.splitlines():
+            if line.startswith("NSpid:"):
+                nspid = int(line.split()[-1])
+            elif line.startswith("NSsid:"):
+                nssid = int(line.split()[-1])
+        if session is not None and nssid != session:
+            continue
+        out.append((pid, nspid, nssid))
+    return out

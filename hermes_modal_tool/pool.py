@@ -1,0 +1,452 @@
+"""One pool of sandboxes per profile: warm minimum, growth to the maximum, idle scale-down.
+
+Slot accounting follows anyio's ``CapacityLimiter``: a slot is leased to one
+borrower (a trajectory); ``release`` of something not held raises; waiters are
+served first come, first served. Background work (sandbox starts, resets, the
+idle reaper) runs in tasks the pool owns and cancels and awaits on ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SandboxConfig
+from .drivers.base import Driver
+from .errors import (
+    BackendClosedError,
+    HermesModalToolError,
+    PoolTimeoutError,
+    SandboxDiedError,
+    SandboxError,
+    UsageError,
+)
+from .sandbox import HOST_GRACE_S, Sandbox
+from .slots import ExecutionResult, Slot, SlotState
+
+log = logging.getLogger("hermes_modal_tool")
+
+START_TIMEOUT_S = 120.0
+MAX_CALL_TIMEOUT_S = 86400.0
+
+
+@dataclass(eq=False)
+class _Record:
+    """The pool's own view of a slot; a public :class:`Slot` is one lease of it."""
+
+    sandbox: Sandbox
+    index: int
+    slot_id: str
+    workspace_dir: str
+    lease: int = 0
+    holder: Slot | None = None
+    inflight: int = 0
+    ready: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SandboxPool:
+    """Sandboxes of one profile, each with ``slots_per_sandbox`` slots.
+
+    Args:
+        config: the profile.
+        driver: starts the sandboxes.
+    """
+
+    def __init__(self, config: SandboxConfig, driver: Driver) -> None:
+        self.config = config
+        self.name = config.name
+        self.driver = driver
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._records: dict[str, list[_Record]] = {}
+        self._free: deque[_Record] = deque()
+        self._waiters: deque[asyncio.Future] = deque()
+        self._starting = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._seq = itertools.count()
+        self._reaper: asyncio.Task | None = None
+        self._started = False
+        self._closed = False
+        self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "sandboxes_started": 0,
+                      "sandboxes_died": 0, "sandboxes_stopped": 0, "acquires": 0}
+        self.last_error: str | None = None
+        self.info: dict[str, Any] = {}
+        self._rate_window: deque[float] = deque()
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the idle reaper and pre-warm ``min_sandboxes`` (concurrently).
+
+        Raises:
+            SandboxStartError: a warm sandbox failed to start (the pool is stopped).
+        """
+        if self._closed:
+            raise BackendClosedError(f"pool {self.name!r} was stopped")
+        if self._started:
+            return
+        self._started = True
+        self._reaper = asyncio.get_running_loop().create_task(
+            self._reap_idle(), name=f"hermes-modal-tool reaper {self.name}")
+        want = self.config.min_sandboxes
+        if want:
+            self._starting += want
+            results = await asyncio.gather(*(self._start_one(counted=True) for _ in range(want)),
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                await self.stop()
+                raise errors[0]
+
+    async def stop(self) -> None:
+        """Terminate every sandbox this pool started; fail waiters. Idempotent."""
+        if self._closed and not self._sandboxes and not self._tasks:
+            return
+        self._closed = True
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_exception(BackendClosedError(f"pool {self.name!r} is stopping"))
+        tasks = list(self._tasks) + ([self._reaper] if self._reaper else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        sandboxes = list(self._sandboxes.values())
+        self._sandboxes.clear()
+        self._free.clear()
+        for recs in self._records.values():
+            for rec in recs:
+                if rec.holder is not None:
+                    rec.holder.state = SlotState.ERROR
+                    rec.holder.error = "the backend was stopped"
+                rec.lease += 1
+        self._records.clear()
+        await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)
+        self.stats["sandboxes_stopped"] += len(sandboxes)
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- sandboxes ---------------------------------------------------------------
+    async def _start_one(self, counted: bool = False) -> Sandbox:
+        """Start one sandbox and offer its slots. ``counted``: ``_starting`` already includes it."""
+        if not counted:
+            self._starting += 1
+        sandbox_id = f"{self.name}-{next(self._seq)}"
+        handle = None
+        try:
+            handle, init = await asyncio.wait_for(
+                self.driver.start_sandbox(self.config, sandbox_id), START_TIMEOUT_S)
+            sb = Sandbox(sandbox_id, handle, self.config.slots_per_sandbox, self._on_death)
+            try:
+                self.info = await sb.initialize(init)
+            except BaseException:
+                await sb.close()
+                handle = None
+                raise
+        except BaseException as exc:
+            self._starting -= 1
+            if handle is not None:
+                await handle.terminate()
+            if not isinstance(exc, asyncio.CancelledError):
+                self.last_error = str(exc)
+                self._fail_unservable(exc)
+            raise
+        self._starting -= 1
+        if self._closed:
+            await sb.close()
+            raise BackendClosedError(f"pool {self.name!r} was stopped while starting {sandbox_id}")
+        self.stats["sandboxes_started"] += 1
+        base = self.config.workspace_base if self.info.get("isolation") != "none" else None
+        recs = []
+        for i in range(self.config.slots_per_sandbox):
+            ws = f"{base}/slot_{i}" if base else f"{init['host_root']}/slot_{i}"
+            recs.append(_Record(sb, i, f"{sandbox_id}_slot_{i}", ws))
+        self._sandboxes[sandbox_id] = sb
+        self._records[sandbox_id] = recs
+        for rec in recs:
+            self._offer(rec)
+        return sb
+
+    def _fail_unservable(self, exc: BaseException) -> None:
+        """After a failed start, fail the waiters that no other starting sandbox will serve."""
+        coming = self._starting * self.config.slots_per_sandbox
+        while len(self._waiters) > coming:
+            w = self._waiters.pop()
+            if not w.done():
+                w.set_exception(exc)
+
+    def _on_death(self, sb: Sandbox) -> None:
+        if self._sandboxes.pop(sb.sandbox_id, None) is None:
+            return
+        self.stats["sandboxes_died"] += 1
+        self.last_error = f"sandbox {sb.sandbox_id} died: {sb.death_reason}"
+        recs = self._records.pop(sb.sandbox_id, [])
+        dead = set(map(id, recs))
+        self._free = deque(r for r in self._free if id(r) not in dead)
+        for rec in recs:
+            rec.lease += 1
+            if rec.holder is not None:
+                rec.holder.state = SlotState.ERROR
+                rec.holder.error = self.last_error
+        if not self._closed:
+            self._spawn(sb.close(), f"hermes-modal-tool close {sb.sandbox_id}")
+            self._grow()
+
+    def _live(self) -> int:
+        return len(self._sandboxes)
+
+    def _grow(self) -> None:
+        """Start sandboxes for waiting demand and the warm minimum, up to the maximum."""
+        if self._closed or not self._started:
+            return
+        spb = self.config.slots_per_sandbox
+        demand = len(self._waiters) - self._starting * spb - len(self._free)
+        need = max(0, -(-demand // spb), self.config.min_sandboxes - self._live() - self._starting)
+        room = self.config.max_sandboxes - self._live() - self._starting
+        for _ in range(max(0, min(need, room))):
+            self._starting += 1
+            task = self._spawn(self._start_one(counted=True), f"hermes-modal-tool start {self.name}")
+            task.add_done_callback(_swallow)
+
+    async def _reap_idle(self) -> None:
+        interval = min(max(self.config.idle_timeout / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if self.config.scale_down_idle:
+                for sid, sb in list(self._sandboxes.items()):
+                    if self._live() <= self.config.min_sandboxes:
+                        break
+                    recs = self._records.get(sid, [])
+                    idle = all(r.holder is None and r.ready for r in recs)
+                    if idle and now - sb.last_used > self.config.idle_timeout:
+                        self._retire(sb)
+            self._grow()
+
+    def _retire(self, sb: Sandbox) -> None:
+        self._sandboxes.pop(sb.sandbox_id, None)
+        recs = self._records.pop(sb.sandbox_id, [])
+        gone = set(map(id, recs))
+        self._free = deque(r for r in self._free if id(r) not in gone)
+        for rec in recs:
+            rec.lease += 1
+        self.stats["sandboxes_stopped"] += 1
+        self._spawn(sb.close(), f"hermes-modal-tool retire {sb.sandbox_id}")
+
+    # -- slots ---------------------------------------------------------------------
+    def _offer(self, rec: _Record) -> None:
+        if rec.sandbox.dead or rec.sandbox.sandbox_id not in self._sandboxes:
+            return
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(rec)
+                return
+        self._free.append(rec)
+
+    def _take_free(self) -> _Record | None:
+        while self._free:
+            rec = self._free.popleft()
+            if not rec.sandbox.dead and rec.sandbox.sandbox_id in self._sandboxes:
+                return rec
+        return None
+
+    async def acquire(self, trajectory_id: str | None = None) -> Slot:
+        """Lease a slot with an empty workspace and a fresh shell.
+
+        Raises:
+            PoolTimeoutError: none became free within ``acquire_timeout_s``; the
+                message says how many slots exist and who holds them.
+            SandboxStartError: a sandbox needed for this acquire failed to start.
+            BackendClosedError: the pool was stopped.
+        """
+        if self._closed:
+            raise BackendClosedError(f"pool {self.name!r} was stopped")
+        if not self._started:
+            await self.start()
+        rec = self._take_free()
+        if rec is None:
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self._waiters.append(fut)
+            self._grow()
+            try:
+                rec = await asyncio.wait_for(fut, self.config.acquire_timeout_s)
+            except asyncio.TimeoutError:
+                raise PoolTimeoutError(self._timeout_message()) from None
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._offer(fut.result())
+                raise
+        return self._lease(rec, trajectory_id)
+
+    def _timeout_message(self) -> str:
+        holders = [r.holder.trajectory_id or r.slot_id for recs in self._records.values()
+                   for r in recs if r.holder is not None]
+        total = sum(len(r) for r in self._records.values())
+        shown = ", ".join(map(str, holders[:10])) + (f", ... ({len(holders) - 10} more)" if len(holders) > 10 else "")
+        why = f"; last error: {self.last_error}" if self.last_error else ""
+        return (f"no slot free in profile {self.name!r} within {self.config.acquire_timeout_s:g}s: "
+                f"{total} slots in {self._live()} sandboxes (max_sandboxes={self.config.max_sandboxes}, "
+                f"slots_per_sandbox={self.config.slots_per_sandbox}), {len(holders)} held"
+                + (f" by {shown}" if holders else "") + why)
+
+    def _lease(self, rec: _Record, trajectory_id: str | None) -> Slot:
+        rec.lease += 1
+        slot = Slot(slot_id=rec.slot_id, workspace_dir=rec.workspace_dir, state=SlotState.ACQUIRED,
+                    trajectory_id=trajectory_id, sandbox_id=rec.sandbox.sandbox_id,
+                    profile=self.name, index=rec.index, acquired_at=time.time(),
+                    _lease=rec.lease, _sandbox=rec)
+        rec.holder = slot
+        rec.sandbox.last_used = time.monotonic()
+        self.stats["acquires"] += 1
+        return slot
+
+    def record_of(self, slot: Slot) -> _Record:
+        """The record a slot leases; raise UsageError if the lease is no longer valid."""
+        rec = slot._sandbox
+        if not isinstance(rec, _Record) or rec.holder is not slot or rec.lease != slot._lease:
+            why = f" ({slot.error})" if slot.error else ""
+            raise UsageError(f"slot {slot.slot_id} is not held by this caller: it was released, "
+                             f"its sandbox is gone, or it came from another backend{why}")
+        return rec
+
+    async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
+        """Give a slot back. Its workspace and shell are always reset before reuse:
+        now (``reset_workspace=True``) or in the background.
+
+        Raises:
+            UsageError: the slot is not currently held.
+        """
+        if slot.state is SlotState.ERROR and not isinstance(slot._sandbox, _Record):
+            return
+        try:
+            rec = self.record_of(slot)
+        except UsageError:
+            if slot.state is SlotState.ERROR:
+                return  # its sandbox died; nothing to give back
+            raise
+        slot.state = SlotState.RELEASING
+        rec.holder = None
+        rec.lease += 1
+        rec.ready = False
+        rec.sandbox.last_used = time.monotonic()
+        if reset_workspace:
+            await self._reset(rec)
+        else:
+            self._spawn(self._reset(rec), f"hermes-modal-tool reset {rec.slot_id}")
+        slot.state = SlotState.AVAILABLE
+        slot.trajectory_id = None
+
+    async def _reset(self, rec: _Record) -> None:
+        sb = rec.sandbox
+        try:
+            reply = await sb.request({"op": "reset", "slot": rec.index}, 60.0)
+            if not reply.get("ok"):
+                raise SandboxError(str(reply.get("error")))
+        except SandboxDiedError:
+            return
+        except SandboxError as exc:
+            log.warning("reset of %s failed (%s); retiring sandbox %s", rec.slot_id, exc, sb.sandbox_id)
+            self.last_error = f"reset of {rec.slot_id} failed: {exc}"
+            self._retire(sb)
+            return
+        rec.ready = True
+        self._offer(rec)
+
+    # -- calls ---------------------------------------------------------------------
+    def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None):
+        """Send one tool call; return ``(sandbox, mid, future)`` or an ExecutionResult on error."""
+        try:
+            rec = self.record_of(slot)
+        except UsageError as exc:
+            return ExecutionResult.failure(str(exc), slot.slot_id)
+        sb = rec.sandbox
+        if sb.dead:
+            return ExecutionResult.failure(f"sandbox {sb.sandbox_id} died: {sb.death_reason}", slot.slot_id)
+        timeout = timeout_s if timeout_s is not None else self.config.execution_timeout_s
+        wait = timeout
+        own = args.get("timeout") if tool == "bash" else None
+        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+            wait = float(own)
+        if wait > MAX_CALL_TIMEOUT_S:
+            return ExecutionResult.failure(
+                f"timeout {wait:g}s is longer than the {MAX_CALL_TIMEOUT_S:g}s maximum", slot.slot_id)
+        mid, fut = sb.submit({"op": "call", "slot": rec.index, "tool": tool, "args": args,
+                              "timeout": timeout}, wait + HOST_GRACE_S)
+        rec.inflight += 1
+        slot.state = SlotState.EXECUTING
+        self.stats["calls"] += 1
+        self._rate_window.append(time.monotonic())
+
+        def done(_f: asyncio.Future, rec: _Record = rec, slot: Slot = slot) -> None:
+            rec.inflight -= 1
+            if rec.inflight == 0 and rec.holder is slot and slot.state is SlotState.EXECUTING:
+                slot.state = SlotState.ACQUIRED
+
+        fut.add_done_callback(done)
+        return sb, mid, fut
+
+    def to_result(self, slot: Slot, tool: str, outcome: Any, execution_id: str) -> ExecutionResult:
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, HermesModalToolError):
+                msg = str(outcome)
+            else:
+                msg = f"{type(outcome).__name__}: {outcome}"
+            self.stats["failures"] += 1
+            return ExecutionResult.failure(msg, slot.slot_id)
+        if not outcome.get("ok"):
+            self.stats["failures"] += 1
+            return ExecutionResult.failure(f"agent error: {outcome.get('error')}", slot.slot_id)
+        result = ExecutionResult.from_agent(outcome["result"], slot.slot_id, execution_id, tool)
+        if not result.success:
+            self.stats["failures"] += 1
+        if result.metadata.get("timed_out"):
+            self.stats["timeouts"] += 1
+        return result
+
+    # -- status ---------------------------------------------------------------------
+    def calls_per_second(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        w = self._rate_window
+        while w and now - w[0] > window:
+            w.popleft()
+        return len(w) / window
+
+    def status(self) -> dict[str, Any]:
+        total = sum(len(r) for r in self._records.values())
+        held = sum(1 for recs in self._records.values() for r in recs if r.holder is not None)
+        return {
+            "sandboxes": self._live(),
+            "healthy_sandboxes": sum(1 for s in self._sandboxes.values() if not s.dead),
+            "starting_sandboxes": self._starting,
+            "min_sandboxes": self.config.min_sandboxes,
+            "max_sandboxes": self.config.max_sandboxes,
+            "slots_per_sandbox": self.config.slots_per_sandbox,
+            "total_slots": total,
+            "available_slots": len(self._free),
+            "acquired_slots": held,
+            "resetting_slots": total - held - len(self._free),
+            "waiting_acquires": sum(1 for w in self._waiters if not w.done()),
+            "calls_per_second": round(self.calls_per_second(), 2),
+            "isolation": self.info.get("isolation", self.config.isolation),
+            "limits": self.info.get("limits"),
+            "limits_note": self.info.get("limits_note") or None,
+            "network": self.config.network,
+            **self.stats,
+            "last_error": self.last_error,
+        }
+
+
+def _swallow(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: failures are reported through waiters and last_error

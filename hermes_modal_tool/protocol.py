@@ -1,0 +1,148 @@
+"""The host <-> in-sandbox agent protocol: one definition, used by both ends.
+
+This module is stdlib-only and runs on Python 3.8, because the in-sandbox agent
+imports it inside images we do not control.
+
+Framing: every message is one frame, a 4-byte big-endian payload length followed
+by that many bytes of UTF-8 JSON (one object). All slots of a sandbox share one
+stream in each direction; requests carry an ``id`` and the response to a request
+carries the same ``id``, so responses may arrive in any order.
+
+Requests (host -> agent), every one with ``{"id": int, "op": str}``:
+
+``init``      ``{"config": {...}}``: first message; the agent answers with its
+              capabilities (python version, isolation, limit mode).
+``call``      ``{"slot": int, "tool": str, "args": {...}, "timeout": float}``: run one
+              tool call in a slot. Calls to one slot run one at a time, in arrival
+              order; calls to different slots run concurrently.
+``reset``     ``{"slot": int}``: kill the slot's shell and every process it started,
+              empty its workspace. The next call gets a fresh shell.
+``cancel``    ``{"target": int}``: stop the call with id ``target`` (kills what it
+              started); the cancelled call still gets its own response.
+``status``    ``{}``: per-slot state, for diagnostics.
+``shutdown``  ``{}``: kill every slot, remove what the agent created, answer, exit.
+
+Responses (agent -> host): ``{"id": int, "ok": bool, "error": str?, "result": {...}}``.
+For ``call`` the result has the keys of :data:`RESULT_KEYS`.
+"""
+
+import json
+import struct
+
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct(">I")
+#: Largest frame either side accepts (bytes). A bigger frame is a protocol error.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+OPS = ("init", "call", "reset", "cancel", "status", "shutdown")
+
+#: Tools the agent knows, in the order error messages list them.
+TOOLS = (
+    "bash",
+    "read_file",
+    "write_file",
+    "list_files",
+    "read_artifact",
+    "list_artifacts",
+    "archive_artifacts",
+)
+
+#: Keys of a ``call`` result.
+RESULT_KEYS = ("output", "error", "returncode", "timed_out", "truncated", "duration_s", "data")
+
+#: Exit code reported for a command stopped by its timeout (as GNU ``timeout`` does).
+TIMEOUT_EXIT_CODE = 124
+
+
+class ProtocolError(Exception):
+    """Raised when a frame cannot be decoded (bad length, bad JSON, not an object)."""
+
+
+def encode(message):
+    """Return the frame (bytes) for one message (a JSON-serialisable dict)."""
+    payload = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8", "surrogatepass"
+    )
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            "message of %d bytes exceeds the %d byte frame limit" % (len(payload), MAX_FRAME_BYTES)
+        )
+    return HEADER.pack(len(payload)) + payload
+
+
+def decode_payload(payload):
+    """Decode one frame's payload (bytes) into a dict; raise ProtocolError if it is not one."""
+    try:
+        message = json.loads(payload.decode("utf-8", "surrogatepass"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError("undecodable frame: %s" % exc) from None
+    if not isinstance(message, dict):
+        raise ProtocolError("frame is not a JSON object: %r" % (type(message).__name__,))
+    return message
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes as they arrive, get complete messages back.
+
+    Example:
+        >>> d = FrameDecoder()
+        >>> frame = encode({"id": 1, "op": "status"})
+        >>> d.feed(frame[:3])
+        []
+        >>> d.feed(frame[3:])
+        [{'id': 1, 'op': 'status'}]
+    """
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self):
+        self._buffer = bytearray()
+
+    def feed(self, data):
+        """Add bytes; return the list of messages completed by them (maybe empty)."""
+        buf = self._buffer
+        buf += data
+        messages = []
+        start = 0
+        size = len(buf)
+        while size - start >= 4:
+            (length,) = HEADER.unpack_from(buf, start)
+            if length > MAX_FRAME_BYTES:
+                raise ProtocolError(
+                    "frame length %d exceeds the %d byte limit" % (length, MAX_FRAME_BYTES)
+                )
+            end = start + 4 + length
+            if end > size:
+                break
+            messages.append(decode_payload(bytes(buf[start + 4 : end])))
+            start = end
+        if start:
+            del buf[:start]
+        return messages
+
+    @property
+    def pending(self):
+        """Number of buffered bytes that do not yet form a whole frame."""
+        return len(self._buffer)
+
+
+def call_result(
+    output="",
+    error=None,
+    returncode=None,
+    timed_out=False,
+    truncated=False,
+    duration_s=0.0,
+    data=None,
+):
+    """Build a ``call`` result dict with every key of :data:`RESULT_KEYS`."""
+    return {
+        "output": output,
+        "error": error,
+        "returncode": returncode,
+        "timed_out": timed_out,
+        "truncated": truncated,
+        "duration_s": duration_s,
+        "data": data if data is not None else {},
+    }

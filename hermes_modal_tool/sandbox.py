@@ -1,0 +1,161 @@
+"""One running sandbox as the host sees it: its agent's request/response multiplexer.
+
+Every request is one frame on the shared stream; responses are matched by id.
+When the stream closes (the agent died, the sandbox was killed) every pending
+request fails at once with :class:`~hermes_modal_tool.errors.SandboxDiedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import protocol
+from .drivers.base import SandboxHandle
+from .errors import SandboxDiedError, SandboxError, SandboxStartError
+
+log = logging.getLogger("hermes_modal_tool")
+
+#: Extra seconds the host waits past a call's own timeout before giving up on the agent.
+HOST_GRACE_S = 10.0
+INIT_TIMEOUT_S = 60.0
+
+
+class Sandbox:
+    """A started sandbox with ``slots`` slots, talking to its agent over ``handle``."""
+
+    def __init__(self, sandbox_id: str, handle: SandboxHandle, slots: int,
+                 on_death: Callable[[Sandbox], None]) -> None:
+        self.sandbox_id = sandbox_id
+        self.handle = handle
+        self.slots = slots
+        self.info: dict[str, Any] = {}
+        self.dead = False
+        self.death_reason: str | None = None
+        self.started_at = time.monotonic()
+        self.last_used = self.started_at
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._on_death = on_death
+        self._reader: asyncio.Task | None = None
+        self._closing = False
+
+    # -- lifecycle -----------------------------------------------------------
+    async def initialize(self, init_config: dict[str, Any]) -> dict[str, Any]:
+        """Start reading and send ``init``; return the agent's capabilities.
+
+        Raises:
+            SandboxStartError: the agent did not answer or refused the config.
+        """
+        self._reader = asyncio.get_running_loop().create_task(
+            self._read_loop(), name=f"hermes-modal-tool reader {self.sandbox_id}")
+        try:
+            reply = await self.request({"op": "init", "config": init_config}, INIT_TIMEOUT_S)
+        except SandboxError as exc:
+            raise SandboxStartError(f"sandbox {self.sandbox_id} did not start: {exc}") from None
+        if not reply.get("ok"):
+            raise SandboxStartError(f"sandbox {self.sandbox_id} refused its config: {reply.get('error')}")
+        self.info = reply["result"]
+        return self.info
+
+    async def _read_loop(self) -> None:
+        decoder = protocol.FrameDecoder()
+        reason = None
+        try:
+            while True:
+                chunk = await self.handle.read()
+                if not chunk:
+                    break
+                for msg in decoder.feed(chunk):
+                    fut = self._pending.pop(msg.get("id"), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+        except protocol.ProtocolError as exc:
+            reason = f"protocol error from the agent: {exc}"
+        except asyncio.CancelledError:
+            reason = "the backend stopped"
+            raise
+        finally:
+            self._mark_dead(reason)
+
+    def _mark_dead(self, reason: str | None) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        if reason is None:
+            reason = "the sandbox stopped" if self._closing else (
+                self.handle.poll() or "the agent closed its stream")
+        self.death_reason = reason
+        err = SandboxDiedError(f"sandbox {self.sandbox_id} died: {reason}")
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if not self._closing:
+            log.warning("sandbox %s died: %s", self.sandbox_id, reason)
+            self._on_death(self)
+
+    # -- requests ------------------------------------------------------------
+    def submit(self, message: dict[str, Any], wait_s: float) -> tuple[int, asyncio.Future]:
+        """Send one request now; return its id and a future for the reply.
+
+        The future fails with SandboxDiedError if the sandbox dies, or SandboxError
+        if no reply comes within ``wait_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self.dead:
+            fut.set_exception(SandboxDiedError(f"sandbox {self.sandbox_id} died: {self.death_reason}"))
+            return 0, fut
+        mid = next(self._ids)
+        message["id"] = mid
+        self._pending[mid] = fut
+        self.handle.write(protocol.encode(message))
+        timer = loop.call_later(wait_s, self._expire, mid, wait_s)
+        fut.add_done_callback(lambda _f: timer.cancel())
+        self.last_used = time.monotonic()
+        return mid, fut
+
+    def _expire(self, mid: int, wait_s: float) -> None:
+        fut = self._pending.pop(mid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(SandboxError(
+                f"sandbox {self.sandbox_id}: the agent did not answer within {wait_s:g}s"))
+            self.cancel(mid)
+
+    def cancel(self, mid: int) -> None:
+        """Ask the agent to stop request ``mid`` (kills what it started). Fire and forget."""
+        if not self.dead and mid:
+            self.handle.write(protocol.encode({"id": 0, "op": "cancel", "target": mid}))
+
+    async def request(self, message: dict[str, Any], wait_s: float) -> dict[str, Any]:
+        mid, fut = self.submit(message, wait_s)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.cancel(mid)
+            raise
+
+    # -- shutdown ------------------------------------------------------------
+    async def close(self) -> None:
+        """Ask the agent to clean up and exit; then make sure the sandbox is gone."""
+        self._closing = True
+        if not self.dead:
+            try:
+                await self.request({"op": "shutdown"}, 10.0)
+            except (SandboxError, asyncio.TimeoutError):
+                pass
+        try:
+            await self.handle.terminate()
+        finally:
+            if self._reader is not None:
+                self._reader.cancel()
+                try:
+                    await self._reader
+                except (asyncio.CancelledError, Exception):
+                    pass
+            self._mark_dead("the sandbox stopped")

@@ -1,0 +1,108 @@
+"""Slots (one isolated workspace + shell per trajectory) and tool-call results."""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SlotState(str, enum.Enum):
+    """Where a slot is in its life: free, held by a trajectory, running a call, ..."""
+
+    AVAILABLE = "available"
+    ACQUIRED = "acquired"
+    EXECUTING = "executing"
+    RELEASING = "releasing"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Slot:
+    """One trajectory's isolated workspace and persistent shell inside a sandbox.
+
+    Attributes:
+        slot_id: ``"{sandbox_id}_slot_{N}"``, unique within a backend.
+        workspace_dir: the workspace as commands see it, ``{workspace_base}/slot_{N}``.
+        state: a :class:`SlotState`.
+        trajectory_id: who holds the slot (None when free).
+        sandbox_id: the sandbox the slot lives in.
+        profile: the profile (pool) it belongs to.
+        index: N, the slot's number inside its sandbox.
+        error: why the slot is in ``ERROR`` (its sandbox died), else None.
+    """
+
+    slot_id: str
+    workspace_dir: str
+    state: SlotState = SlotState.AVAILABLE
+    trajectory_id: str | None = None
+    sandbox_id: str = ""
+    profile: str = "default"
+    index: int = 0
+    error: str | None = None
+    acquired_at: float | None = None
+    _lease: int = field(default=0, repr=False)
+    _sandbox: Any = field(default=None, repr=False)
+
+    @property
+    def is_available(self) -> bool:
+        return self.state is SlotState.AVAILABLE
+
+
+@dataclass
+class ExecutionResult:
+    """The result of one tool call.
+
+    Attributes:
+        success: True when the call completed and (for ``bash``) exited with 0.
+        output: the tool's text output (stdout and stderr interleaved for
+            ``bash``), capped at the profile's ``output_limit`` characters.
+        error: why the call failed (None on success); names a timeout, a dead
+            sandbox, a bad argument or the exit code.
+        execution_id: unique id of this call.
+        slot_id: the slot it ran in.
+        metadata: ``returncode`` (int or None), ``duration_s`` (seconds),
+            ``timed_out``, ``truncated``, plus tool data (``background``, ``path``, ...).
+    """
+
+    success: bool
+    output: str = ""
+    error: str | None = None
+    execution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    slot_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.metadata.get("returncode")
+
+    @classmethod
+    def failure(cls, error: str, slot_id: str | None = None, **metadata: Any) -> ExecutionResult:
+        """A failed result that never reached (or never came back from) the sandbox."""
+        meta = {"returncode": None, "duration_s": 0.0, "timed_out": False, "truncated": False}
+        meta.update(metadata)
+        return cls(success=False, error=error, slot_id=slot_id, metadata=meta)
+
+    @classmethod
+    def from_agent(cls, result: dict[str, Any], slot_id: str, execution_id: str,
+                   tool: str) -> ExecutionResult:
+        """Build from the agent's ``call`` result (see :mod:`hermes_modal_tool.protocol`)."""
+        rc = result.get("returncode")
+        error = result.get("error")
+        if error is None and tool == "bash" and rc not in (0, None):
+            error = f"exit code {rc}"
+        meta = {
+            "returncode": rc,
+            "duration_s": result.get("duration_s", 0.0),
+            "timed_out": bool(result.get("timed_out")),
+            "truncated": bool(result.get("truncated")),
+        }
+        meta.update(result.get("data") or {})
+        return cls(success=error is None, output=result.get("output", ""), error=error,
+                   execution_id=execution_id, slot_id=slot_id, metadata=meta)
+
+
+def now() -> float:
+    return time.monotonic()
