@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -286,11 +285,19 @@ class ToolBackend:
                 results[i] = submitted
                 continue
             sb, mid, fut = submitted
-            waiting.append((i, pool, tool, slot, sb, mid, fut, uuid.uuid4().hex))
+            waiting.append((i, pool, tool, slot, sb, mid, fut, os.urandom(16).hex()))
         if waiting:
             futures = [w[6] for w in waiting]
             try:
-                outcomes = await asyncio.gather(*futures, return_exceptions=True)
+                if len(futures) == 1:  # the common agent-loop case: skip gather's machinery
+                    try:
+                        outcomes = [await futures[0]]
+                    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                        raise
+                    except BaseException as exc:
+                        outcomes = [exc]
+                else:
+                    outcomes = await asyncio.gather(*futures, return_exceptions=True)
             except asyncio.CancelledError:
                 for _, _, _, _, sb, mid, fut, _ in waiting:
                     if not fut.done():

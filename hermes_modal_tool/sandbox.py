@@ -51,8 +51,10 @@ class Sandbox:
         Raises:
             SandboxStartError: the agent did not answer or refused the config.
         """
-        self._reader = asyncio.get_running_loop().create_task(
-            self._read_loop(), name=f"hermes-modal-tool reader {self.sandbox_id}")
+        self._decoder = protocol.FrameDecoder()
+        if not self.handle.attach(self._on_data, self._on_close):
+            self._reader = asyncio.get_running_loop().create_task(
+                self._read_loop(), name=f"hermes-modal-tool reader {self.sandbox_id}")
         try:
             reply = await self.request({"op": "init", "config": init_config}, INIT_TIMEOUT_S)
         except SandboxError as exc:
@@ -62,18 +64,31 @@ class Sandbox:
         self.info = reply["result"]
         return self.info
 
+    def _on_data(self, chunk: bytes) -> None:
+        try:
+            messages = self._decoder.feed(chunk)
+        except protocol.ProtocolError as exc:
+            self._mark_dead(f"protocol error from the agent: {exc}")
+            return
+        pending = self._pending
+        for msg in messages:
+            fut = pending.pop(msg.get("id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _on_close(self) -> None:
+        self._mark_dead(None)
+
     async def _read_loop(self) -> None:
-        decoder = protocol.FrameDecoder()
         reason = None
         try:
             while True:
                 chunk = await self.handle.read()
                 if not chunk:
                     break
-                for msg in decoder.feed(chunk):
-                    fut = self._pending.pop(msg.get("id"), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg)
+                self._on_data(chunk)
+                if self.dead:
+                    return
         except protocol.ProtocolError as exc:
             reason = f"protocol error from the agent: {exc}"
         except asyncio.CancelledError:

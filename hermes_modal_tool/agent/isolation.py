@@ -20,6 +20,7 @@ import json
 import os
 import resource
 import signal
+import time
 
 # Top-level directories never bound into a slot (replaced or omitted).
 HIDDEN_TOP = frozenset(("proc", "dev", "sys", "tmp", "run", "home", "root", "mnt", "media",
@@ -323,8 +324,29 @@ def rlimits_for(limits, own_uid):
     return out
 
 
+_TCK = os.sysconf("SC_CLK_TCK")
+_LAST_PID_FD = []
+
+
+def process_clock():
+    """``(ticks, last_pid)`` now: a process with a later start time, or the same tick and
+    a higher pid, began after this call (``/proc/<pid>/stat`` start times are in ticks)."""
+    try:
+        if not _LAST_PID_FD:
+            _LAST_PID_FD.append(os.open("/proc/sys/kernel/ns_last_pid", os.O_RDONLY | os.O_CLOEXEC))
+        last = int(os.pread(_LAST_PID_FD[0], 32, 0))
+    except (OSError, ValueError):
+        last = 1 << 30
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _TCK), last
+
+
+def started_after(pid, start, clock):
+    ticks, last = clock
+    return start > ticks or (start == ticks and pid > last)
+
+
 def ns_processes(ns_link=None, session=None):
-    """List ``(host_pid, ns_pid, ns_sid)`` of processes in a PID namespace or a session.
+    """List ``(host_pid, ns_pid, ns_sid, start_ticks)`` of processes in a PID namespace or session.
 
     Args:
         ns_link: ``readlink /proc/<pid>/ns/pid`` of the slot's init; match by namespace.
@@ -340,6 +362,8 @@ def ns_processes(ns_link=None, session=None):
                 continue
             with open("/proc/%d/status" % pid) as fh:
                 status = fh.read()
+            with open("/proc/%d/stat" % pid) as fh:
+                stat_fields = fh.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
         nspid = nssid = None
@@ -350,5 +374,5 @@ def ns_processes(ns_link=None, session=None):
                 nssid = int(line.split()[-1])
         if session is not None and nssid != session:
             continue
-        out.append((pid, nspid, nssid))
+        out.append((pid, nspid, nssid, int(stat_fields[19])))
     return out

@@ -7,6 +7,7 @@ protocol streams to private descriptors and points fds 0/1 at /dev/null/stderr.
 """
 
 import asyncio
+import collections
 import os
 import resource
 import shutil
@@ -34,7 +35,12 @@ class SlotRuntime:
             self.uid = self.gid = None
         self.env = dict(agent.env)
         self.env["HOME"] = self.ws_path if agent.isolation == "bwrap" else self.ws_host
-        self.lock = asyncio.Lock()
+        self.ctl_fds = {}
+        self.queue = collections.deque()  # call messages waiting for this slot
+        self.current = None  # id of the call running now
+        self.busy = False
+        self.idle = asyncio.Event()
+        self.idle.set()
         self.shell = Shell(self, agent.loop)
         self.background_sids = []
         self.bg_counter = 0
@@ -57,14 +63,48 @@ class SlotRuntime:
         return bool(cg) and cg.memory_peak_exceeded(self.index)
 
     def write_ctl(self, name, data):
-        fd = os.open(os.path.join(self.ctl_host, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        """Write a control file the slot reads (command text, stdin); return its slot path.
+
+        The command file is rewritten on every call, so its descriptor stays open.
+        """
+        fd = self.ctl_fds.get(name)
+        if fd is None:
+            fd = os.open(os.path.join(self.ctl_host, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if name in ("cmd", "stdin"):
+                self.ctl_fds[name] = fd
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], done)
+            os.ftruncate(fd, len(data))
         finally:
-            os.close(fd)
+            if name not in self.ctl_fds:
+                os.close(fd)
         return "%s/%s" % (self.ctl_path, name)
+
+    def close_ctl(self):
+        for fd in self.ctl_fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.ctl_fds = {}
+
+    # -- calls: one at a time per slot, in arrival order ---------------------------
+    def pump(self):
+        while self.queue and not self.busy:
+            self.agent.start_call(self, self.queue.popleft())
+
+    def set_busy(self, mid):
+        self.busy = True
+        self.current = mid
+        self.idle.clear()
+
+    def set_idle(self):
+        self.busy = False
+        self.current = None
+        self.idle.set()
+        self.pump()
 
     async def reset(self):
         await self.shell.stop()
@@ -72,6 +112,7 @@ class SlotRuntime:
         self.shell.resume_dir = None
         if self.agent.cgroups:
             self.agent.cgroups.kill_slot(self.index)
+        self.close_ctl()
         for name in os.listdir(self.ctl_host):
             try:
                 os.unlink(os.path.join(self.ctl_host, name))
@@ -85,7 +126,7 @@ class Agent:
         self.loop = loop
         self.out = out_transport
         self.slots = {}
-        self.tasks = {}
+        self.tasks = set()
         self.config = None
         self.cgroups = None
         self.rlimits = []
@@ -101,25 +142,46 @@ class Agent:
         op = msg.get("op")
         mid = msg.get("id")
         if op == "call":
-            task = self.loop.create_task(self.handle_call(msg))
-            self.tasks[mid] = task
-            task.add_done_callback(lambda _t, mid=mid: self.tasks.pop(mid, None))
+            slot = self.slots.get(msg.get("slot"))
+            if slot is None:
+                self.send({"id": mid, "ok": True, "result": protocol.call_result(
+                    error="no slot %r in this sandbox" % (msg.get("slot"),))})
+            else:
+                slot.queue.append(msg)
+                slot.pump()
         elif op == "init":
             self.reply(mid, self.handle_init, msg)
         elif op == "reset":
-            self.loop.create_task(self.handle_reset(msg))
+            self.own(self.handle_reset(msg))
         elif op == "cancel":
-            task = self.tasks.get(msg.get("target"))
-            if task is not None:
-                task.cancel()
-            self.send({"id": mid, "ok": True, "result": {"cancelled": task is not None}})
+            self.send({"id": mid, "ok": True, "result": {"cancelled": self.cancel(msg.get("target"))}})
         elif op == "status":
             self.reply(mid, self.handle_status, msg)
         elif op == "shutdown":
-            self.loop.create_task(self.shutdown(mid))
+            self.own(self.shutdown(mid))
         else:
             self.send({"id": mid, "ok": False, "error": "unknown op %r; known: %s"
                        % (op, ", ".join(protocol.OPS))})
+
+    def own(self, coro):
+        """Run a coroutine as a task the agent keeps (and cancels on shutdown)."""
+        task = self.loop.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def cancel(self, target):
+        for slot in self.slots.values():
+            if slot.current == target:
+                slot.shell.cancel()
+                return True
+            for msg in slot.queue:
+                if msg.get("id") == target:
+                    slot.queue.remove(msg)
+                    self.send({"id": target, "ok": True,
+                               "result": protocol.call_result(error="cancelled before it started")})
+                    return True
+        return False
 
     def reply(self, mid, fn, msg):
         try:
@@ -184,7 +246,7 @@ class Agent:
         }
 
     def handle_status(self, msg):
-        return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.lock.locked()}
+        return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.busy, "queued": len(s.queue)}
                           for i, s in self.slots.items()}}
 
     async def handle_reset(self, msg):
@@ -193,39 +255,54 @@ class Agent:
         if slot is None:
             self.send({"id": mid, "ok": False, "error": "no slot %r" % (msg.get("slot"),)})
             return
+        while slot.queue:
+            dropped = slot.queue.popleft()
+            self.send({"id": dropped.get("id"), "ok": True,
+                       "result": protocol.call_result(error="the slot was reset before this call ran")})
+        if slot.busy:
+            slot.shell.cancel()
+            await slot.idle.wait()
+        slot.set_busy(mid)
         try:
-            async with slot.lock:
-                await slot.reset()
+            await slot.reset()
         except Exception as exc:
             self.send({"id": mid, "ok": False, "error": "reset failed: %s" % exc})
-            return
-        self.send({"id": mid, "ok": True, "result": {}})
+        else:
+            self.send({"id": mid, "ok": True, "result": {}})
+        finally:
+            slot.set_idle()
 
-    async def handle_call(self, msg):
+    def start_call(self, slot, msg):
+        """Start one call in an idle slot; its result is sent when it ends."""
         mid = msg.get("id")
         started = time.monotonic()
-        try:
-            slot = self.slots.get(msg.get("slot"))
-            if slot is None:
-                raise files.FileToolError("no slot %r in this sandbox" % (msg.get("slot"),))
-            async with slot.lock:
-                result = await self.run_tool(slot, msg.get("tool"), msg.get("args") or {},
-                                             float(msg.get("timeout") or 30.0))
-        except asyncio.CancelledError:
-            result = protocol.call_result(error="cancelled", returncode=None)
-        except files.FileToolError as exc:
-            result = protocol.call_result(error=str(exc), returncode=1)
-        except Exception as exc:
-            result = protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
-        if not result.get("duration_s"):
-            result["duration_s"] = time.monotonic() - started
-        self.send({"id": mid, "ok": True, "result": result})
+        slot.set_busy(mid)
 
-    async def run_tool(self, slot, tool, args, timeout):
+        def done(result):
+            if not result.get("duration_s"):
+                result["duration_s"] = time.monotonic() - started
+            self.send({"id": mid, "ok": True, "result": result})
+            slot.set_idle()
+
+        try:
+            tool = msg.get("tool")
+            args = msg.get("args")
+            if args is None:
+                args = {}
+            timeout = float(msg.get("timeout") or 30.0)
+            if tool == "bash":
+                self.start_bash(slot, args, timeout, done)
+            else:
+                done(self.run_tool(slot, tool, args))
+        except files.FileToolError as exc:
+            done(protocol.call_result(error=str(exc), returncode=1))
+        except Exception as exc:
+            done(protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1))
+
+    def run_tool(self, slot, tool, args):
+        """Run a file tool (synchronous: local file system calls only)."""
         if not isinstance(args, dict):
             raise files.FileToolError("args must be an object, got %s" % type(args).__name__)
-        if tool == "bash":
-            return await self.run_bash(slot, args, timeout)
         fn = files.TOOLS.get(tool)
         if fn is None:
             return protocol.call_result(
@@ -236,7 +313,9 @@ class Agent:
             else (output, False)
         return protocol.call_result(output=output, returncode=0, truncated=truncated, data=data)
 
-    async def run_bash(self, slot, args, timeout):
+    def start_bash(self, slot, args, timeout, done):
+        if not isinstance(args, dict):
+            raise files.FileToolError("args must be an object, got %s" % type(args).__name__)
         command = args.get("command")
         if not isinstance(command, str):
             raise files.FileToolError("missing required argument 'command' (a string)")
@@ -244,23 +323,35 @@ class Agent:
             raise files.FileToolError("command contains a NUL byte, which bash cannot run")
         env = args.get("env") or {}
         if not isinstance(env, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and _valid_name(k) for k, v in env.items()):
+                isinstance(k, str) and isinstance(v, str) and _valid_name(k) and "\x00" not in v
+                for k, v in env.items()):
             raise files.FileToolError("env must map variable names to string values, got %r" % (env,))
         stdin = args.get("stdin")
         if stdin is not None and not isinstance(stdin, str):
             raise files.FileToolError("stdin must be a string, got %r" % (type(stdin).__name__,))
         if args.get("timeout") is not None:
             timeout = args["timeout"]
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
                 raise files.FileToolError("timeout must be a positive number of seconds, got %r"
                                           % (timeout,))
+        background = args.get("background", False)
+        if not isinstance(background, bool):
+            raise files.FileToolError("background must be true or false, got %r" % (background,))
         stdin_path = "/dev/null"
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
-        if args.get("background"):
-            return await self.start_background(slot, command, env)
+        if background:
+            self.own(self._background(slot, command, env, done))
+            return
         cmd_path = slot.write_ctl("cmd", command.encode("utf-8", "surrogatepass") + b"\n")
-        return await slot.shell.run(cmd_path, stdin_path, env, float(timeout), self.limit)
+        slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done)
+
+    async def _background(self, slot, command, env, done):
+        try:
+            result = await self.start_background(slot, command, env)
+        except Exception as exc:
+            result = protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
+        done(result)
 
     async def start_background(self, slot, command, env):
         """Start ``command`` detached (own session) with output to a log in the workspace."""
@@ -291,8 +382,9 @@ class Agent:
         if self.closing:
             return
         self.closing = True
-        for task in list(self.tasks.values()):
-            task.cancel()
+        for task in list(self.tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
         for slot in self.slots.values():
             slot.shell.kill()
         for slot in self.slots.values():
@@ -340,16 +432,16 @@ class _InProtocol(asyncio.Protocol):
             messages = self.decoder.feed(data)
         except protocol.ProtocolError as exc:
             sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
-            self.agent.loop.create_task(self.agent.shutdown())
+            self.agent.own(self.agent.shutdown())
             return
         for msg in messages:
             self.agent.on_message(msg)
 
     def eof_received(self):
-        self.agent.loop.create_task(self.agent.shutdown())
+        self.agent.own(self.agent.shutdown())
 
     def connection_lost(self, exc):
-        self.agent.loop.create_task(self.agent.shutdown())
+        self.agent.own(self.agent.shutdown())
 
 
 async def _amain(in_fd, out_fd):
@@ -358,7 +450,7 @@ async def _amain(in_fd, out_fd):
     agent = Agent(loop, out_transport)
     await loop.connect_read_pipe(lambda: _InProtocol(agent), os.fdopen(in_fd, "rb", 0))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        loop.add_signal_handler(sig, lambda: loop.create_task(agent.shutdown()))
+        loop.add_signal_handler(sig, lambda: agent.own(agent.shutdown()))
     await agent.done
     # let the last frames drain
     for _ in range(100):

@@ -150,6 +150,12 @@ class Shell:
         self.eof = None
         self.resume_dir = None
         self.runner = None
+        self.cmd_started = (0, 0)
+        self.on_done = None
+        self.timer = None
+        self.timeout = 0.0
+        self.started_at = 0.0
+        self.timed_out = self.cancelled = self.interrupting = False
 
     @property
     def alive(self):
@@ -222,17 +228,22 @@ class Shell:
             return
         except OSError:
             data = b""
+        collector = self.collector
         if data:
-            if self.collector is not None:
-                self.collector.feed(data)
+            if collector is not None:
+                collector.feed(data)
+                if collector.done.done() and not self.interrupting:
+                    self._complete()
             return
         # EOF: the shell (and everything holding its output pipe) is gone.
         self.loop.remove_reader(self.out_fd)
         self.exit_status = self._reap(block=True)  # bwrap exits with its child: immediate
-        if self.collector is not None:
-            self.collector.finish(self.exit_status)
         if not self.eof.done():
             self.eof.set_result(self.exit_status)
+        if collector is not None:
+            collector.finish(self.exit_status)
+            if not self.interrupting:
+                self._complete()
 
     def _reap(self, block):
         if self.proc is None:
@@ -275,25 +286,36 @@ class Shell:
         self._init()
         if self.ns_link is None:
             return None
-        for pid, nspid, _ in isolation.ns_processes(ns_link=self.ns_link):
+        for pid, nspid, _, _ in isolation.ns_processes(ns_link=self.ns_link):
             if nspid == 2:
                 return pid
         return None
 
     def command_processes(self):
-        """Host pids of everything the current command started (not bash, init or jobs)."""
+        """Host pids of what the running command started: processes of the slot that
+        began after it did, except bash, init and background jobs' sessions."""
         keep_sids = set(self.slot.background_sids)
+        since = self.cmd_started
         if self.slot.agent.isolation == "bwrap":
             self._init()
             if self.ns_link is None:
                 return []
             procs = isolation.ns_processes(ns_link=self.ns_link)
-            return [pid for pid, nspid, nssid in procs
-                    if nspid not in (1, 2) and nssid not in keep_sids]
+            return [pid for pid, nspid, nssid, start in procs
+                    if nspid not in (1, 2) and nssid not in keep_sids
+                    and isolation.started_after(pid, start, since)]
         if self.proc is None:
             return []
         procs = isolation.ns_processes(session=self.proc.pid)
-        return [pid for pid, _, _ in procs if pid != self.proc.pid]
+        return [pid for pid, _, _, start in procs
+                if pid != self.proc.pid and isolation.started_after(pid, start, since)]
+
+    def slot_processes(self):
+        """Every process of the slot except bash and init (for a hard reset without namespaces)."""
+        if self.proc is None:
+            return []
+        return [pid for pid, _, _, _ in isolation.ns_processes(session=self.proc.pid)
+                if pid != self.proc.pid]
 
     def cwd(self):
         pid = self.shell_pid()
@@ -316,10 +338,10 @@ class Shell:
                 if pid:
                     isolation._kill(pid, signal.SIGKILL)
             if slot.agent.isolation != "bwrap":
-                for pid in self.command_processes():
+                for pid in self.slot_processes():
                     isolation._kill(pid, signal.SIGKILL)
                 for sid in slot.background_sids:
-                    for pid, _, _ in isolation.ns_processes(session=sid):
+                    for pid, _, _, _ in isolation.ns_processes(session=sid):
                         isolation._kill(pid, signal.SIGKILL)
         if slot.agent.cgroups:
             slot.agent.cgroups.kill_slot(slot.index)
@@ -339,58 +361,87 @@ class Shell:
         self.proc = None
 
     # -- running commands --------------------------------------------------
-    async def run(self, command_file, stdin_path, env, timeout, limit):
-        """Run one command (already written to ``command_file``); return a result dict."""
-        started = time.monotonic()
-        if not self.alive:
-            if self.proc is not None:
-                await self.stop()
+    def start(self, command_file, stdin_path, env, timeout, limit, on_done):
+        """Start one command (already written to ``command_file``).
+
+        ``on_done(result)`` is called once with a ``call`` result dict: from the
+        output reader when the end marker arrives (no task or future on this path),
+        or after the timeout/cancel procedure has killed what the command started.
+        """
+        self.started_at = time.monotonic()
+        if self.proc is not None and not self.alive:
+            self.close_fds()  # it died; _on_output already reaped it
+            self.proc = None
+        if self.proc is None:
             self.spawn()
-        nonce = os.urandom(8).hex().encode()
-        collector = OutputCollector(nonce, limit, self.loop)
+        nonce = os.urandom(8).hex()
+        self.cmd_started = isolation.process_clock()
+        collector = OutputCollector(nonce.encode(), limit, self.loop)
         self.collector = collector
+        self.on_done = on_done
+        self.timeout = timeout
+        self.timed_out = self.cancelled = self.interrupting = False
         if env:
             prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
             line = ("__hmt_n=%s; { %s. %s; } <%s 2>&1; printf '\\036%%s %%d\\036\\n' "
-                    "\"$__hmt_n\" \"$?\"\n" % (nonce.decode(), prefix, command_file,
-                                                shell_quote(stdin_path)))
+                    "\"$__hmt_n\" \"$?\"\n" % (nonce, prefix, command_file, shell_quote(stdin_path)))
         else:
             # Short form: bash reads its input one byte at a time, so keep it short.
-            line = "__hmt_n=%s __hmt_i=%s; . %s\n" % (
-                nonce.decode(), shell_quote(stdin_path), self.runner)
-        timed_out = False
+            line = "__hmt_n=%s __hmt_i=%s; . %s\n" % (nonce, shell_quote(stdin_path), self.runner)
         try:
             self._write(line.encode())
         except OSError:
             collector.finish(self.exit_status)
-        # Wait for the end marker or the timeout, without wait_for's extra task.
-        waiter = self.loop.create_future()
+        self.timer = self.loop.call_later(timeout, self._on_timeout)
+        if collector.done.done():
+            self._complete()
 
-        def wake(_f=None, ended=True):
-            if not waiter.done():
-                waiter.set_result(ended)
+    async def run(self, command_file, stdin_path, env, timeout, limit):
+        """Coroutine form of :meth:`start` (for the rare paths that want to await)."""
+        fut = self.loop.create_future()
+        self.start(command_file, stdin_path, env, timeout, limit, fut.set_result)
+        return await fut
 
-        collector.done.add_done_callback(wake)
-        timer = self.loop.call_later(timeout, wake, None, False)
+    def cancel(self):
+        """Stop the running command (its result says it was cancelled)."""
+        if self.collector is not None:
+            self.cancelled = True
+            self._begin_interrupt()
+
+    def _on_timeout(self):
+        if self.collector is not None and not self.collector.done.done():
+            self.timed_out = True
+            self._begin_interrupt()
+
+    def _begin_interrupt(self):
+        if self.interrupting:
+            return
+        self.interrupting = True
+        self.timer.cancel()
+        self.slot.agent.own(self._interrupt_then_complete())
+
+    async def _interrupt_then_complete(self):
         try:
-            try:
-                if not await waiter:
-                    timed_out = True
-                    await self.interrupt(collector)
-            finally:
-                timer.cancel()
-        except asyncio.CancelledError:
-            await self.interrupt(collector)
-            raise
+            await self.interrupt(self.collector)
         finally:
-            self.collector = None
+            self.interrupting = False
+            self._complete()
+
+    def _complete(self):
+        collector = self.collector
+        if collector is None:
+            return
+        self.collector = None
+        self.timer.cancel()
         text, truncated = collector.text()
         ended = collector.done.result() if collector.done.done() else False
         error = None
         rc = collector.returncode
-        if timed_out:
+        if self.cancelled:
+            error = "cancelled; its processes were killed"
+        elif self.timed_out:
             rc = 124
-            error = "command timed out after %gs; its processes were killed" % timeout
+            error = "command timed out after %gs; its processes were killed" % self.timeout
         elif not ended:
             status = self.exit_status
             if status is not None and status < 0:
@@ -404,10 +455,11 @@ class Shell:
             error += "; the next command starts a fresh shell in the workspace"
         elif rc == 137 and self.slot.memory_limit_hit():
             error = "killed: the slot's memory limit was reached"
-        return {
-            "output": text, "error": error, "returncode": rc, "timed_out": timed_out,
-            "truncated": truncated, "duration_s": time.monotonic() - started, "data": {},
-        }
+        on_done, self.on_done = self.on_done, None
+        on_done({
+            "output": text, "error": error, "returncode": rc, "timed_out": self.timed_out,
+            "truncated": truncated, "duration_s": time.monotonic() - self.started_at, "data": {},
+        })
 
     async def interrupt(self, collector):
         """Stop the running command: USR1 to bash, TERM then KILL its processes."""

@@ -29,6 +29,14 @@ class SandboxHandle(abc.ABC):
     @abc.abstractmethod
     def write(self, data: bytes) -> None: ...
 
+    def attach(self, on_data, on_close) -> bool:
+        """Optionally deliver the agent's output by callback instead of :meth:`read`.
+
+        ``on_data(bytes)`` is called for each chunk, ``on_close()`` once at the end.
+        Return True if the handle does this (saves a task hop per message).
+        """
+        return False
+
     @abc.abstractmethod
     def poll(self) -> str | None:
         """None while running, else why it ended (e.g. ``"exited with code 1"``)."""

@@ -55,21 +55,60 @@ def find_bwrap() -> str:
     return str(bwrap_path())
 
 
+class _AgentOutput(asyncio.Protocol):
+    """The agent's stdout: delivered to a callback once attached, buffered before."""
+
+    def __init__(self) -> None:
+        self.buffer: list[bytes] = []
+        self.closed = False
+        self.on_data = None
+        self.on_close = None
+        self.waiter: asyncio.Future | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.on_data is not None:
+            self.on_data(data)
+        else:
+            self.buffer.append(data)
+            self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.on_close is not None:
+            self.on_close()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
 class LocalHandle(SandboxHandle):
-    def __init__(self, sandbox_id: str, proc: subprocess.Popen, reader: asyncio.StreamReader,
+    def __init__(self, sandbox_id: str, proc: subprocess.Popen, output: _AgentOutput,
                  writer: asyncio.WriteTransport, stderr_path: Path, cleanup: list[Path]) -> None:
         self.sandbox_id = sandbox_id
         self.proc = proc
-        self._reader = reader
+        self._output = output
         self._writer = writer
         self._stderr_path = stderr_path
         self._cleanup = cleanup
 
     async def read(self) -> bytes:
-        try:
-            return await self._reader.read(1 << 18)
-        except (ConnectionError, OSError):
-            return b""
+        out = self._output
+        while not out.buffer and not out.closed:
+            out.waiter = asyncio.get_running_loop().create_future()
+            await out.waiter
+        return out.buffer.pop(0) if out.buffer else b""
+
+    def attach(self, on_data, on_close) -> bool:
+        out = self._output
+        for chunk in out.buffer:
+            on_data(chunk)
+        out.buffer.clear()
+        out.on_data, out.on_close = on_data, on_close
+        if out.closed:
+            on_close()
+        return True
 
     def write(self, data: bytes) -> None:
         if not self._writer.is_closing():
@@ -287,12 +326,12 @@ class LocalDriver(Driver):
             proc = await asyncio.to_thread(_spawn_agent, stderr_path)
         except OSError as exc:
             raise SandboxStartError(f"could not start the agent for {sandbox_id}: {exc}") from exc
-        reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
+        output = _AgentOutput()
+        await loop.connect_read_pipe(lambda: output, proc.stdout)
         writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
         writer.write(agent.bundle())
         cleanup = [state_dir] + ([self.ctl_root / sandbox_id] if self.ctl_root else [])
-        return LocalHandle(sandbox_id, proc, reader, writer, stderr_path, cleanup), init
+        return LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup), init
 
     def describe(self) -> dict[str, Any]:
         return {"driver": self.name, "bwrap": self._bwrap, "state_root": str(self.state_root)}
