@@ -174,38 +174,29 @@ def build_profile(name: str, data: Mapping[str, Any], where: str,
         raise ConfigError(f"{where}: profile {name!r}: " + "; ".join(problems)) from None
 
 
-def _env_values(env: Mapping[str, str], prefix: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """Values from ``{prefix}{KEY}`` variables, and field -> variable name for messages."""
+def _env_values(env: Mapping[str, str], prefix: str,
+                profile: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Values from ``{prefix}{KEY}`` variables (or ``{prefix}PROFILE_{NAME}_{KEY}`` when a
+    profile is given), and field -> variable name for messages."""
+    tag = prefix if profile is None else f"{prefix}PROFILE_{profile.upper().replace('-', '_')}_"
     values: dict[str, Any] = {}
     names: dict[str, str] = {}
     fields = set(SandboxConfig.model_fields)
     for var, raw in env.items():
-        if not var.startswith(prefix) or var[len(prefix):].startswith("PROFILE_"):
+        if not var.startswith(tag):
             continue
-        key = var[len(prefix):]
-        if key in _NOT_FROM_ENV:
+        key = var[len(tag):]
+        if profile is None and (key.startswith("PROFILE_") or key in _NOT_FROM_ENV):
             continue
         field = ENV_KEYS.get(key, key.lower())
+        where = f"environment variable {var}" + (f": profile {profile!r}" if profile else "")
         if field not in fields:
-            raise ConfigError(f"environment variable {var}: unknown key {key!r}")
-        values[field] = _parse_env(field, raw)
-        names[field] = var
-    return values, names
-
-
-def _profile_env_values(env: Mapping[str, str], prefix: str, profile: str):
-    tag = f"{prefix}PROFILE_{profile.upper().replace('-', '_')}_"
-    values: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    fields = set(SandboxConfig.model_fields)
-    for var, raw in env.items():
-        if var.startswith(tag):
-            key = var[len(tag):]
-            field = ENV_KEYS.get(key, key.lower())
-            if field not in fields:
-                raise ConfigError(f"environment variable {var}: profile {profile!r}: unknown key {key!r}")
+            raise ConfigError(f"{where}: unknown key {key!r}")
+        try:
             values[field] = _parse_env(field, raw)
-            names[field] = var
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        names[field] = var
     return values, names
 
 
@@ -217,7 +208,7 @@ def _parse_env(field: str, raw: str) -> Any:
         for pair in raw.split(";"):
             if pair.strip():
                 if "=" not in pair:
-                    raise ConfigError(f"env_vars entry {pair!r} is not KEY=VALUE")
+                    raise ValueError(f"env_vars entry {pair!r} is not KEY=VALUE")
                 k, v = pair.split("=", 1)
                 pairs[k.strip()] = v.strip()
         return pairs
@@ -281,7 +272,7 @@ def load_profiles(
         merged = {**base, **file_values}
         keys = {**base_names, **{f: f"{k}" for k, f in ((k, ALIASES.get(k, k)) for k in data)}}
         for prefix in prefixes:
-            vals, names = _profile_env_values(env, prefix, name)
+            vals, names = _env_values(env, prefix, name)
             merged.update(vals)
             keys.update(names)
         profiles[name] = build_profile(str(name), merged, where, cls, keys)

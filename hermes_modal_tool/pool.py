@@ -222,14 +222,15 @@ class SandboxPool:
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
-            if self.config.scale_down_idle:
-                for sid, sb in list(self._sandboxes.items()):
-                    if self._live() <= self.config.min_sandboxes:
-                        break
-                    recs = self._records.get(sid, [])
-                    idle = all(r.holder is None and r.ready for r in recs)
-                    if idle and now - sb.last_used > self.config.idle_timeout:
-                        self._retire(sb)
+            for sid, sb in list(self._sandboxes.items()):
+                recs = self._records.get(sid, [])
+                if not all(r.holder is None and r.ready for r in recs):
+                    continue
+                if now - sb.started_at > self.config.max_lifetime:
+                    self._retire(sb)  # replaced below if that leaves fewer than the minimum
+                elif (self.config.scale_down_idle and self._live() > self.config.min_sandboxes
+                      and now - sb.last_used > self.config.idle_timeout):
+                    self._retire(sb)
             self._grow()
 
     def _retire(self, sb: Sandbox) -> None:

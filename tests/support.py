@@ -1,0 +1,162 @@
+"""Helpers for the behaviour tests: look at the machine's processes, poll, run bash."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hermes_modal_tool import ExecutionResult, SandboxConfig, Slot, ToolBackend
+
+#: Every agent's command line contains this (the bootstrap's last line).
+AGENT_MARK = b"hermes_modal_tool.agent.main"
+#: Slots run as uid_base + slot, with uid_base >= 200000 (when the host runs as root).
+SLOT_UID_MIN = 200000
+#: Set in every slot of a config made by the make_backend fixture (see Leftovers).
+TOKEN_VAR = "HMT_TEST_TOKEN"
+#: Small defaults: tests run on a 2-core machine and must stay fast.
+SMALL: dict[str, Any] = {
+    "slots_per_sandbox": 2,
+    "min_sandboxes": 1,
+    "max_sandboxes": 2,
+    "memory": 1024,
+    "acquire_timeout_s": 5.0,
+    "execution_timeout_s": 10.0,
+}
+SHM_DIR = re.compile(rb"/dev/shm/hermes-modal-tool-[A-Za-z0-9_]+")
+
+
+# -- looking at the machine ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    uid: int
+    comm: str
+    cmdline: bytes
+
+    @property
+    def is_bwrap(self) -> bool:
+        return self.comm == "bwrap"
+
+    @property
+    def is_agent(self) -> bool:
+        return AGENT_MARK in self.cmdline
+
+    @property
+    def is_slot_process(self) -> bool:
+        return self.uid >= SLOT_UID_MIN
+
+
+def processes() -> dict[int, Proc]:
+    """Every live (non-zombie) process on the machine, by pid."""
+    out: dict[int, Proc] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                status = fh.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").strip().startswith("Z"):
+            continue
+        out[pid] = Proc(pid, int(fields["PPid"]), int(fields["Uid"].split()[0]),
+                        fields["Name"].strip(), cmdline)
+    return out
+
+
+def environ_of(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def agent_processes() -> dict[int, Proc]:
+    """Agent processes started by this test process (they are its children)."""
+    me = os.getpid()
+    return {pid: p for pid, p in processes().items() if p.is_agent and p.ppid == me}
+
+
+class Leftovers:
+    """What the engine leaves behind, told apart from other programs on the machine.
+
+    Ours: agents that are children of this process; processes whose environment
+    holds the token (every slot process of a config tagged with it) or whose
+    command line names one of our state roots (each slot's bwrap); our state roots,
+    and the ``/dev/shm`` control directories our slots' bwrap command lines name.
+    """
+
+    def __init__(self, token: str) -> None:
+        self.token = f"{TOKEN_VAR}={token}".encode()
+        self.roots: set[str] = set()
+
+    def note_roots(self, backend: ToolBackend) -> None:
+        """Remember a running backend's state directories (call before stopping it)."""
+        for info in backend.get_status().get("drivers", {}).values():
+            if info.get("state_root"):
+                self.roots.add(info["state_root"])
+        for p in self.processes():
+            self.roots.update(m.decode() for m in SHM_DIR.findall(p.cmdline))
+
+    def processes(self) -> list[Proc]:
+        me = os.getpid()
+        roots = [r.encode() for r in self.roots]
+        ours = []
+        for pid, p in processes().items():
+            if pid == me:
+                continue
+            if (p.is_agent and p.ppid == me) or any(r in p.cmdline for r in roots) or (
+                    (p.is_bwrap or p.is_slot_process) and self.token in environ_of(pid)):
+                ours.append(p)
+        return ours
+
+    def dirs(self) -> set[str]:
+        return {r for r in self.roots if os.path.exists(r)}
+
+    async def remaining(self, grace: float = 2.0) -> tuple[list[Proc], set[str]]:
+        """What is still there after up to ``grace`` seconds (for the kernel to reap)."""
+        deadline = time.monotonic() + grace
+        while True:
+            procs, dirs = self.processes(), self.dirs()
+            if (not procs and not dirs) or time.monotonic() > deadline:
+                return procs, dirs
+            await asyncio.sleep(0.05)
+
+    def tag(self, config: SandboxConfig) -> SandboxConfig:
+        """A copy of ``config`` whose slots carry the token (so leaks can be found)."""
+        token = self.token.decode().split("=", 1)[1]
+        return config.model_copy(update={"env_vars": {**config.env_vars, TOKEN_VAR: token}})
+
+
+def describe(procs: list[Proc]) -> str:
+    return "; ".join(f"pid {p.pid} uid {p.uid} {p.comm}: {p.cmdline[:160]!r}" for p in procs)
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
+                     interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy; return it (or the last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        await asyncio.sleep(interval)
+
+
+
+async def bash(backend: ToolBackend, slot: Slot, command: str, **args: Any) -> ExecutionResult:
+    """Run one bash command in ``slot``; return its ExecutionResult."""
+    [result] = await backend.execute_batch([(slot, "bash", {"command": command, **args})])
+    return result

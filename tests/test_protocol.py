@@ -1,0 +1,88 @@
+"""The host <-> agent framing: any JSON object survives any split; bad frames are refused."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hermes_modal_tool.protocol import (
+    MAX_FRAME_BYTES,
+    FrameDecoder,
+    ProtocolError,
+    encode,
+)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=20,
+)
+messages = st.dictionaries(st.text(max_size=10), json_values, max_size=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(msgs=st.lists(messages, min_size=1, max_size=6), data=st.data())
+def test_round_trip_split_anywhere(msgs, data):
+    stream = b"".join(encode(m) for m in msgs)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    decoder = FrameDecoder()
+    got = []
+    prev = 0
+    for cut in [*cuts, len(stream)]:
+        got.extend(decoder.feed(stream[prev:cut]))
+        prev = cut
+    assert got == msgs
+    assert decoder.pending == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(msg=messages)
+def test_byte_at_a_time(msg):
+    frame = encode(msg)
+    decoder = FrameDecoder()
+    got = []
+    for i in range(len(frame)):
+        got.extend(decoder.feed(frame[i:i + 1]))
+        if i < len(frame) - 1:
+            assert got == []
+    assert got == [msg]
+
+
+def test_partial_frame_is_kept_pending():
+    frame = encode({"id": 1, "op": "status"})
+    decoder = FrameDecoder()
+    assert decoder.feed(frame[:5]) == []
+    assert decoder.pending == 5
+    assert decoder.feed(frame[5:]) == [{"id": 1, "op": "status"}]
+
+
+def test_oversized_length_is_rejected_before_reading_the_payload():
+    decoder = FrameDecoder()
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decoder.feed(struct.pack(">I", MAX_FRAME_BYTES + 1))
+
+
+@pytest.mark.parametrize("payload", [b"[1, 2]", b'"text"', b"42", b"null", b"true"])
+def test_non_object_frames_are_rejected(payload):
+    with pytest.raises(ProtocolError, match="not a JSON object"):
+        FrameDecoder().feed(struct.pack(">I", len(payload)) + payload)
+
+
+@pytest.mark.parametrize("payload", [b"{not json", b"\xff\xfe{}", b""])
+def test_undecodable_frames_are_rejected(payload):
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(struct.pack(">I", len(payload)) + payload)
+
+
+def test_encode_is_length_prefixed_json():
+    frame = encode({"id": 7, "op": "call", "args": {"command": "echo é"}})
+    (length,) = struct.unpack(">I", frame[:4])
+    assert length == len(frame) - 4
+    assert json.loads(frame[4:].decode("utf-8")) == {"id": 7, "op": "call",
+                                                     "args": {"command": "echo é"}}
