@@ -219,7 +219,9 @@ class Agent:
         limit_mode = "none"
         reason = ""
         if cfg.get("cgroups", True):
-            self.cgroups = isolation.Cgroups(cfg.get("sandbox_id", "sandbox"), limits)
+            self.cgroups = isolation.Cgroups(
+                cfg.get("cgroup_name") or "%s-%d" % (cfg.get("sandbox_id", "sandbox"), os.getpid()),
+                limits)
             limit_mode = self.cgroups.mode
             reason = self.cgroups.reason
             if limit_mode == "rlimit":

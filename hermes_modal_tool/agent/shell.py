@@ -444,6 +444,8 @@ class Shell:
             error = "command timed out after %gs; its processes were killed" % self.timeout
         elif not ended:
             status = self.exit_status
+            if status is not None and status > 128 and self.slot.agent.isolation == "bwrap":
+                status = 128 - status  # bwrap reports its child's death by signal N as 128+N
             if status is not None and status < 0:
                 error = "the shell was killed by signal %d" % -status
                 rc = 128 - status

@@ -85,13 +85,15 @@ class _AgentOutput(asyncio.Protocol):
 
 class LocalHandle(SandboxHandle):
     def __init__(self, sandbox_id: str, proc: subprocess.Popen, output: _AgentOutput,
-                 writer: asyncio.WriteTransport, stderr_path: Path, cleanup: list[Path]) -> None:
+                 writer: asyncio.WriteTransport, stderr_path: Path, cleanup: list[Path],
+                 cgroup: str) -> None:
         self.sandbox_id = sandbox_id
         self.proc = proc
         self._output = output
         self._writer = writer
         self._stderr_path = stderr_path
         self._cleanup = cleanup
+        self._cgroup = cgroup
 
     async def read(self) -> bytes:
         out = self._output
@@ -140,7 +142,7 @@ class LocalHandle(SandboxHandle):
         # The agent removes its own state; after a kill -9 we do.
         for path in self._cleanup:
             await asyncio.to_thread(shutil.rmtree, path, True)
-        _remove_cgroups(self.sandbox_id)
+        _remove_cgroups(self._cgroup)
         try:
             self._stderr_path.unlink()
         except OSError:
@@ -183,11 +185,11 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
-def _remove_cgroups(sandbox_id: str) -> None:
+def _remove_cgroups(name: str) -> None:
     """Kill and remove cgroups the agent made for this sandbox (after a crash)."""
-    roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / sandbox_id
+    roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / name
              for c in ("memory", "pids", "cpu")]
-    roots += list(Path("/sys/fs/cgroup").glob(f"**/hermes-modal-tool/{sandbox_id}"))[:1]
+    roots += [Path("/sys/fs/cgroup/unified") / "hermes-modal-tool" / name]
     for root in roots:
         if not root.is_dir():
             continue
@@ -302,8 +304,10 @@ class LocalDriver(Driver):
             await self._check_userns(bwrap)
         state_dir = self.state_root / sandbox_id
         root = os.geteuid() == 0
+        cgroup = f"{self.state_root.name}-{sandbox_id}"  # unique per backend on this host
         init = {
             "sandbox_id": sandbox_id,
+            "cgroup_name": cgroup,
             "workspace_base": config.workspace_base if config.isolation == "bwrap" else str(state_dir / "ws"),
             "host_root": str(state_dir / "ws"),
             "state_dir": str(state_dir),
@@ -331,7 +335,7 @@ class LocalDriver(Driver):
         writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
         writer.write(agent.bundle())
         cleanup = [state_dir] + ([self.ctl_root / sandbox_id] if self.ctl_root else [])
-        return LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup), init
+        return LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup, cgroup), init
 
     def describe(self) -> dict[str, Any]:
         return {"driver": self.name, "bwrap": self._bwrap, "state_root": str(self.state_root)}

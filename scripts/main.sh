@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The example: 64 scripted coding rollouts (examples/coding_rollouts.jsonl), each in
+# its own slot, all at once, on local bubblewrap sandboxes. Writes results.jsonl and
+# prints a summary; exits 0 when every rollout ended as designed.
+# Extra arguments go to `hermes-modal-tool batch` (e.g. --max-sandboxes 2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/hermes-modal-tool batch examples/coding_rollouts.jsonl -o results.jsonl "$@"
