@@ -1,0 +1,158 @@
+"""One contract per model-facing tool: name, description, argument schema.
+
+The LangChain, OpenAI and Hermes adapters all derive their schemas from
+:data:`TOOL_SPECS`, so the model reads the same words in every framework. The
+descriptions are written for the model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OUTPUT_LIMIT_NOTE = (
+    "Output (stdout and stderr interleaved) is capped at about 50,000 characters; when it "
+    "is longer, the start and the end are kept with a marker saying how much was cut, so "
+    "redirect big outputs to a file and read parts of it.")
+
+BASH_DESCRIPTION = (
+    "Run a shell command in your own sandboxed Linux workspace and return its output and "
+    "exit code. The shell is persistent: `cd`, `export`, variables and functions carry over "
+    "to your next call, and files stay until the task ends. Your workspace directory is "
+    "the starting directory and $HOME; other tasks' files are not visible. A command that "
+    "runs longer than its timeout is stopped with exit code 124, the output it printed so "
+    "far is kept, and the shell stays usable in the same directory. Interactive programs "
+    "get no input (stdin is empty unless you pass `stdin`); pass `background: true` for "
+    "servers or long jobs, which return at once and log to a file in the workspace. "
+    + OUTPUT_LIMIT_NOTE)
+
+READ_FILE_DESCRIPTION = (
+    "Read a text file from your workspace. `path` is relative to the workspace (or an "
+    "absolute path inside it). Returns the file's lines; use `offset` (first line, 0-based) "
+    "and `limit` (number of lines) to read a part of a big file. Use encoding `base64` for "
+    "binary files (then `offset`/`limit` count bytes). " + OUTPUT_LIMIT_NOTE)
+
+WRITE_FILE_DESCRIPTION = (
+    "Write a file in your workspace, creating parent directories as needed. Replaces the "
+    "file unless `append` is true. `path` is relative to the workspace (or an absolute path "
+    "inside it). Use this instead of shell heredocs or echo for file contents: there are no "
+    "quoting or size problems.")
+
+
+class BashArgs(BaseModel):
+    """Arguments of the ``bash`` tool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: str = Field(description="The command line to run with bash, e.g. `ls -la` or `cd src && make`.")
+    timeout: float | None = Field(
+        default=None, gt=0, le=86400,
+        description="Seconds to let the command run before it is stopped (exit code 124). "
+                    "Leave empty for the default.")
+    background: bool = Field(
+        default=False,
+        description="Start the command in the background and return at once (for servers or "
+                    "long jobs); its output goes to a log file in the workspace.")
+    stdin: str | None = Field(default=None, description="Text to feed to the command's standard input.")
+
+
+class ReadFileArgs(BaseModel):
+    """Arguments of the ``read_file`` tool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="File path, relative to the workspace.")
+    offset: int = Field(default=0, ge=0, description="First line to return (0-based); bytes for base64.")
+    limit: int | None = Field(default=None, ge=1, description="Most lines to return (bytes for base64); empty for all.")
+    encoding: Literal["text", "base64"] = Field(default="text", description="`text`, or `base64` for binary files.")
+
+
+class WriteFileArgs(BaseModel):
+    """Arguments of the ``write_file`` tool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="File path, relative to the workspace.")
+    content: str = Field(description="The full file content (base64 when encoding is `base64`).")
+    encoding: Literal["text", "base64"] = Field(default="text", description="`text`, or `base64` for binary content.")
+    append: bool = Field(default=False, description="Append to the file instead of replacing it.")
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A model-facing tool: its name, its description and its argument model."""
+
+    name: str
+    description: str
+    args_model: type[BaseModel]
+
+    def json_schema(self) -> dict[str, Any]:
+        """The arguments' JSON schema (pydantic's, without titles)."""
+        return _strip_titles(self.args_model.model_json_schema())
+
+    def strict_json_schema(self) -> dict[str, Any]:
+        """The arguments' schema under OpenAI's strict-mode rules: every property
+        required, optional values as a union with null, no extra properties."""
+        return _strictify(self.json_schema())
+
+    def engine_args(self, args: BaseModel | dict[str, Any]) -> dict[str, Any]:
+        """Validated arguments as the engine takes them (None values dropped)."""
+        if not isinstance(args, BaseModel):
+            # Strict-mode callers send null for "not given".
+            args = {k: v for k, v in args.items() if v is not None} if isinstance(args, dict) else args
+        model = args if isinstance(args, BaseModel) else self.args_model.model_validate(args)
+        return {k: v for k, v in model.model_dump().items() if v is not None}
+
+
+TOOL_SPECS: dict[str, ToolSpec] = {
+    "bash": ToolSpec("bash", BASH_DESCRIPTION, BashArgs),
+    "read_file": ToolSpec("read_file", READ_FILE_DESCRIPTION, ReadFileArgs),
+    "write_file": ToolSpec("write_file", WRITE_FILE_DESCRIPTION, WriteFileArgs),
+}
+
+
+def _strip_titles(schema: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(schema)
+    out.pop("title", None)
+    out.pop("description", None)
+    for prop in out.get("properties", {}).values():
+        prop.pop("title", None)
+    return out
+
+
+def _strictify(schema: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(schema)
+    props = out.get("properties", {})
+    required = set(out.get("required", []))
+    for name, prop in props.items():
+        prop.pop("default", None)
+        if name not in required and not _allows_null(prop):
+            if "anyOf" in prop:
+                prop["anyOf"].append({"type": "null"})
+            elif "type" in prop:
+                prop["type"] = [prop["type"], "null"] if isinstance(prop["type"], str) else [*prop["type"], "null"]
+                if "enum" in prop:
+                    prop["enum"] = [*prop["enum"], None]
+            else:
+                prop["anyOf"] = [dict(prop), {"type": "null"}]
+        for key in ("exclusiveMinimum", "exclusiveMaximum", "minimum", "maximum"):
+            _drop_numeric_bounds(prop, key)
+    out["required"] = list(props)
+    out["additionalProperties"] = False
+    return out
+
+
+def _allows_null(prop: dict[str, Any]) -> bool:
+    if prop.get("type") == "null" or (isinstance(prop.get("type"), list) and "null" in prop["type"]):
+        return True
+    return any(_allows_null(p) for p in prop.get("anyOf", []))
+
+
+def _drop_numeric_bounds(prop: dict[str, Any], key: str) -> None:
+    # Bounds stay enforced by the argument model; strict mode does not accept them everywhere.
+    prop.pop(key, None)
+    for sub in prop.get("anyOf", []):
+        sub.pop(key, None)
