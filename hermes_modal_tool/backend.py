@@ -96,11 +96,15 @@ class ToolBackend:
         cls,
         app_name: str = "hermes-modal-tool",
         profiles: Mapping[str, SandboxConfig] | None = None,
-        default_profile: str = "default",
+        default_profile: str | None = None,
         profiles_file: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> ToolBackend:
         """A backend with several profiles, given directly or loaded from a YAML file/env.
+
+        Args:
+            default_profile: the profile ``acquire`` uses by default (default: the
+                file's ``default_profile:``, else ``"default"``).
 
         Raises:
             ConfigError: the profiles file or environment is invalid (nothing falls back).
@@ -108,9 +112,9 @@ class ToolBackend:
         if profiles is None:
             config_cls = ModalSandboxConfig if cls is ModalToolBackend else SandboxConfig
             profiles, file_default = load_profiles(profiles_file, cls=config_cls)
-            if default_profile == "default" and "default" not in profiles:
-                default_profile = file_default
-        return cls(profiles=profiles, default_profile=default_profile, app_name=app_name, **kwargs)
+            default_profile = default_profile or file_default
+        return cls(profiles=profiles, default_profile=default_profile or "default",
+                   app_name=app_name, **kwargs)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self, profiles_to_start: Sequence[str] | None = None) -> None:
@@ -127,7 +131,7 @@ class ToolBackend:
         self._check_open()
         names = list(profiles_to_start or [self.default_profile])
         for name in names:
-            self._profile(name)
+            self.profile(name)
         await asyncio.gather(*(self._pool(n) for n in names))
         self._started = True
 
@@ -157,7 +161,12 @@ class ToolBackend:
         if self._closed:
             raise BackendClosedError("this backend was stopped; create a new one")
 
-    def _profile(self, name: str | None) -> SandboxConfig:
+    def profile(self, name: str | None = None) -> SandboxConfig:
+        """The named profile's config (the default profile for None).
+
+        Raises:
+            ConfigError: no such profile.
+        """
         name = name or self.default_profile
         try:
             return self.profiles[name]
@@ -172,7 +181,7 @@ class ToolBackend:
         async with lock:
             pool = self._pools.get(name)
             if pool is None:
-                cfg = self._profile(name)
+                cfg = self.profile(name)
                 driver = self._drivers.get(cfg.driver)
                 if driver is None:
                     driver = self._drivers[cfg.driver] = make_driver(cfg.driver, **self._driver_options)
@@ -198,7 +207,7 @@ class ToolBackend:
         self._check_open()
         if trajectory_id is not None and not isinstance(trajectory_id, str):
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
-        pool = await self._pool(self._profile(profile).name)
+        pool = await self._pool(self.profile(profile).name)
         return await pool.acquire(trajectory_id)
 
     async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
@@ -299,8 +308,10 @@ class ToolBackend:
                 else:
                     outcomes = await asyncio.gather(*futures, return_exceptions=True)
             except asyncio.CancelledError:
+                # Awaiting a future and being cancelled cancels the future too: tell the
+                # agent to stop every call that has not answered.
                 for _, _, _, _, sb, mid, fut, _ in waiting:
-                    if not fut.done():
+                    if not fut.done() or fut.cancelled():
                         sb.cancel(mid)
                 raise
             for (i, pool, tool, slot, _sb, _mid, _fut, eid), outcome in zip(waiting, outcomes, strict=True):

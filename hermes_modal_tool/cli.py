@@ -34,28 +34,14 @@ from . import __version__
 from .backend import ToolBackend
 from .config import SandboxConfig, load_profiles
 from .errors import ConfigError, HermesModalToolError
-from .protocol import TIMEOUT_EXIT_CODE, TOOLS
+from .protocol import TIMEOUT_EXIT_CODE, TOOL_ARGS, TOOLS
 from .slots import ExecutionResult
 
 OUTPUT_CAP = 2000
 #: Exit code of ``exec`` when the engine could not run the command (as ``docker run``).
 ENGINE_FAILURE_EXIT_CODE = 125
 
-# Each tool's arguments: name -> (type, required). Checked before any sandbox starts.
-TOOL_ARGS: dict[str, dict[str, tuple[str, bool]]] = {
-    "bash": {"command": ("str", True), "timeout": ("number", False), "background": ("bool", False),
-             "stdin": ("str", False), "env": ("env", False)},
-    "read_file": {"path": ("str", True), "offset": ("int", False), "limit": ("int", False),
-                  "encoding": ("encoding", False)},
-    "write_file": {"path": ("str", True), "content": ("str", True), "encoding": ("encoding", False),
-                   "append": ("bool", False)},
-    "list_files": {"path": ("str", False), "recursive": ("bool", False), "max_entries": ("int", False)},
-    "read_artifact": {"path": ("str", True), "encoding": ("encoding", False), "max_bytes": ("int", False),
-                      "include_sha256": ("bool", False)},
-    "list_artifacts": {"path": ("str", False), "recursive": ("bool", False), "max_entries": ("int", False)},
-    "archive_artifacts": {"path": ("str", False), "archive_format": ("str", False),
-                          "max_bytes": ("int", False), "max_entries": ("int", False)},
-}
+# Each tool's arguments (protocol.TOOL_ARGS) are checked before any sandbox starts.
 EXPECT_KEYS = {"returncode": "code", "success": "bool", "timed_out": "bool", "output_contains": "str"}
 _TYPE_WORDS = {"str": "a string", "number": "a positive number", "bool": "true or false",
                "int": "a non-negative integer", "code": "an integer", "env": "an object of string values",

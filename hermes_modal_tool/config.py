@@ -33,7 +33,8 @@ ENV_PREFIXES = ("ATROPOS_MODAL_", "TERMINAL_MODAL_")
 # Environment keys that differ from the field name (the original's spellings).
 ENV_KEYS = {"ACQUIRE_TIMEOUT": "acquire_timeout_s", "EXECUTION_TIMEOUT": "execution_timeout_s",
             "MIN_POOL": "min_sandboxes", "MAX_POOL": "max_sandboxes", "WORKDIR": "workspace_base"}
-_NOT_FROM_ENV = {"PROFILES", "PROFILES_FILE", "DEFAULT_PROFILE"}
+# Variables with these prefixes that are not profile keys (MODE is set by Hermes's CLI).
+_NOT_FROM_ENV = {"PROFILES", "PROFILES_FILE", "DEFAULT_PROFILE", "MODE"}
 
 
 class SandboxConfig(BaseModel):
@@ -49,6 +50,15 @@ class SandboxConfig(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    def __init__(self, **data: Any) -> None:
+        """Validate the fields; raise ConfigError (naming each bad key) instead of pydantic's error."""
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            name = data.get("name", "default")
+            raise ConfigError(f"{type(self).__name__}: profile {name!r}: " + "; ".join(_describe(exc)),
+                              errors=exc.errors()) from None
 
     name: str = Field("default", min_length=1, description="Profile name.")
     app_name: str | None = Field(None, description="Full app name; see with_app_name().")
@@ -114,6 +124,7 @@ class SandboxConfig(BaseModel):
         return self.model_copy(update={"app_name": f"{base}-{self.name}"})
 
     def get_app_name(self, fallback: str = "hermes-modal-tool") -> str:
+        """``app_name``, or ``"{fallback}-{name}"`` when none was set."""
         return self.app_name or f"{fallback}-{self.name}"
 
 
@@ -159,19 +170,30 @@ def build_profile(name: str, data: Mapping[str, Any], where: str,
     values.setdefault("name", name)
     try:
         return cls(**values)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(profile)"
-            field = str(err["loc"][0]) if err["loc"] else ""
-            shown = (keys or {}).get(field, loc if loc != field else field) if field else loc
-            given = err.get("input")
-            got = f" (got {given!r})" if err["type"] != "missing" and not isinstance(given, dict) else ""
-            if err["type"] == "extra_forbidden":
-                problems.append(f"key {shown!r}: unknown key")
-            else:
-                problems.append(f"key {shown!r}: {err['msg']}{got}" if field else f"{err['msg']}")
-        raise ConfigError(f"{where}: profile {name!r}: " + "; ".join(problems)) from None
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: profile {name!r}: " + "; ".join(_describe(exc, keys))) from None
+
+
+def _describe(exc: ValidationError | ConfigError, keys: Mapping[str, str] | None = None) -> list[str]:
+    """One phrase per validation error, naming the key as the user wrote it."""
+    keys = keys or {}
+    problems = []
+    for err in exc.errors():
+        loc = err["loc"]
+        field = str(loc[0]) if loc else ""
+        shown = keys.get(field, ".".join(str(p) for p in loc))
+        given = err.get("input")
+        got = f" (got {given!r})" if err["type"] != "missing" and not isinstance(given, dict) else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            problems.append(f"key {shown!r}: unknown key")
+        elif field:
+            problems.append(f"key {shown!r}: {msg}{got}")
+        else:
+            # A check across fields (min > max): name where each side came from.
+            sources = [f"{f} from {keys[f]}" for f in ("min_sandboxes", "max_sandboxes") if f in msg and f in keys]
+            problems.append(msg + (f" ({'; '.join(sources)})" if sources else ""))
+    return problems
 
 
 def _env_values(env: Mapping[str, str], prefix: str,

@@ -35,6 +35,14 @@ class ConfigError(HermesModalToolError, ValueError):
     the key.
     """
 
+    def __init__(self, message: str, *, errors: list | None = None) -> None:
+        super().__init__(message)
+        self._errors = errors or []
+
+    def errors(self) -> list:
+        """The underlying validation errors (pydantic's shape), if any."""
+        return self._errors
+
 
 class SecretNotFoundError(ConfigError):
     """Raised when a profile names a secret that no configured source provides."""

@@ -44,7 +44,8 @@ class LoopThread:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
-        except TimeoutError:
+        except BaseException:
+            # A timeout, Ctrl-C or any exit of the caller stops the work (its processes are killed).
             future.cancel()
             raise
 

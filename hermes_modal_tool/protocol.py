@@ -48,6 +48,23 @@ TOOLS = (
     "archive_artifacts",
 )
 
+#: Each tool's arguments: name -> (kind, required). Kinds: str, number, int, bool,
+#: encoding (``text``/``base64``), env (``{NAME: value}``). The agent rejects other keys.
+TOOL_ARGS = {
+    "bash": {"command": ("str", True), "timeout": ("number", False), "background": ("bool", False),
+             "stdin": ("str", False), "env": ("env", False)},
+    "read_file": {"path": ("str", True), "offset": ("int", False), "limit": ("int", False),
+                  "encoding": ("encoding", False)},
+    "write_file": {"path": ("str", True), "content": ("str", True), "encoding": ("encoding", False),
+                   "append": ("bool", False)},
+    "list_files": {"path": ("str", False), "recursive": ("bool", False), "max_entries": ("int", False)},
+    "read_artifact": {"path": ("str", True), "encoding": ("encoding", False), "max_bytes": ("int", False),
+                      "include_sha256": ("bool", False)},
+    "list_artifacts": {"path": ("str", False), "recursive": ("bool", False), "max_entries": ("int", False)},
+    "archive_artifacts": {"path": ("str", False), "archive_format": ("str", False),
+                          "max_bytes": ("int", False), "max_entries": ("int", False)},
+}
+
 #: Keys of a ``call`` result.
 RESULT_KEYS = ("output", "error", "returncode", "timed_out", "truncated", "duration_s", "data")
 

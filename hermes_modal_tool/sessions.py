@@ -46,11 +46,12 @@ class SlotSessions:
         gets a new slot; nothing is re-run in it.
         """
         await self.expire_idle()
+        wanted = self.backend.profile(profile).name if profile is not None else None  # ConfigError first
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             session = self._sessions.get(key)
             if session is not None and (session.slot.state is SlotState.ERROR
-                                        or (profile is not None and profile != session.profile)):
+                                        or (wanted is not None and wanted != session.slot.profile)):
                 await self._drop(key)
                 session = None
             if session is None:

@@ -48,6 +48,7 @@ class Slot:
 
     @property
     def is_available(self) -> bool:
+        """True when the slot is free (not held by a trajectory)."""
         return self.state is SlotState.AVAILABLE
 
 
@@ -76,6 +77,7 @@ class ExecutionResult:
 
     @property
     def returncode(self) -> int | None:
+        """The command's exit code (124 on timeout); None when nothing ran."""
         return self.metadata.get("returncode")
 
     @classmethod

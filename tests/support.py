@@ -6,9 +6,9 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hermes_modal_tool import ExecutionResult, SandboxConfig, Slot, ToolBackend
 
@@ -27,6 +27,7 @@ SMALL: dict[str, Any] = {
     "acquire_timeout_s": 5.0,
     "execution_timeout_s": 10.0,
 }
+T = TypeVar("T")
 SHM_DIR = re.compile(rb"/dev/shm/hermes-modal-tool-[A-Za-z0-9_]+")
 
 
@@ -144,16 +145,24 @@ def describe(procs: list[Proc]) -> str:
     return "; ".join(f"pid {p.pid} uid {p.uid} {p.comm}: {p.cmdline[:160]!r}" for p in procs)
 
 
-async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
-                     interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; return it (or the last value)."""
+async def eventually(fetch: Callable[[], Awaitable[T]], check: Callable[[T], Any],
+                     timeout: float = 5.0, interval: float = 0.05) -> T:
+    """Call ``await fetch()`` until ``check(value)`` holds or ``timeout`` passes; return the last value."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
+    value = await fetch()
+    while not check(value) and time.monotonic() < deadline:
         await asyncio.sleep(interval)
+        value = await fetch()
+    return value
 
+
+def settle(check: Callable[[], Any], timeout: float = 5.0) -> Awaitable[Any]:
+    """Wait until the synchronous ``check()`` is truthy (or ``timeout``); return its last value."""
+
+    async def fetch() -> Any:
+        return check()
+
+    return eventually(fetch, bool, timeout)
 
 
 async def bash(backend: ToolBackend, slot: Slot, command: str, **args: Any) -> ExecutionResult:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import hashlib
 import io
 import tarfile
 import time
 
-from support import bash
+from support import bash, eventually
 
 from hermes_modal_tool import ExecutionResult, SlotState
 
@@ -55,6 +55,37 @@ async def test_stdin_argument(backend, slot):
     # Without stdin a reading command gets EOF at once (it does not hang).
     r = await bash(backend, slot, "cat; echo done", timeout=5)
     assert r.output == "done\n" and not r.metadata["timed_out"]
+
+
+async def test_large_stdin(backend, slot):
+    data = "x" * 999_999 + "\n"
+    r = await bash(backend, slot, "wc -c", stdin=data)
+    assert r.output.strip() == "1000000"
+
+
+async def test_paths_with_spaces_and_quotes(backend, slot):
+    name = "dir with space/it's \"quoted\" $HOME.txt"
+    r = await call(backend, slot, "write_file", path=name, content="odd\n")
+    assert r.success, r.error
+    r = await bash(backend, slot, "cat dir\\ with\\ space/*")
+    assert r.output == "odd\n"
+    r = await call(backend, slot, "read_file", path=name)
+    assert r.output == "odd\n"
+
+
+async def test_profile_defaults_for_timeout_and_output_limit(make_backend):
+    backend = await make_backend(execution_timeout_s=1, output_limit=1000)
+    slot = await backend.acquire("t")
+    start = time.monotonic()
+    r = await bash(backend, slot, "sleep 10")
+    assert r.returncode == 124 and r.metadata["timed_out"]
+    assert time.monotonic() - start < 4
+    r = await bash(backend, slot, "seq 1 10000")
+    assert r.metadata["truncated"] and 1000 <= len(r.output) <= 1200
+    assert r.output.startswith("1\n2\n") and r.output.endswith("9999\n10000\n")
+    # A call's own timeout wins over the profile's.
+    r = await bash(backend, slot, "sleep 1.5; echo slow-ok", timeout=5)
+    assert r.success and r.output == "slow-ok\n"
 
 
 async def test_calls_to_one_slot_run_in_order(backend, slot):
@@ -179,8 +210,8 @@ async def test_shell_killing_itself_is_reported_and_recovered(backend, slot):
 
 async def test_background_returns_at_once_with_a_handle(backend, slot):
     start = time.monotonic()
-    r = await bash(backend, slot, "echo bg-start; sleep 0.5; echo bg-end", background=True)
-    assert time.monotonic() - start < 0.5
+    r = await bash(backend, slot, "echo bg-start; sleep 1.5; echo bg-end", background=True)
+    assert time.monotonic() - start < 1.0
     assert r.success, r.error
     info = r.metadata["background"]
     assert isinstance(info["job"], int) and isinstance(info["pid"], int)
@@ -189,31 +220,36 @@ async def test_background_returns_at_once_with_a_handle(backend, slot):
     async def log_text():
         return (await call(backend, slot, "read_file", path=info["log"])).output
 
-    deadline = time.monotonic() + 5
-    while "bg-end" not in await log_text() and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert await log_text() == "bg-start\nbg-end\n"
+    assert await eventually(log_text, lambda t: "bg-end" in t) == "bg-start\nbg-end\n"
     r = await bash(backend, slot, f"cat {info['log']}")
     assert r.output == "bg-start\nbg-end\n"
 
 
 async def test_background_job_survives_a_timed_out_command(backend, slot):
     r = await bash(backend, slot, "sleep 60", background=True)
-    pid = r.metadata["background"]["pid"]
+    assert r.success
     r = await bash(backend, slot, "sleep 30", timeout=1)
     assert r.returncode == 124
-    r = await bash(backend, slot, f"kill -0 {pid} && echo running")
-    assert r.output == "running\n"
+    r = await bash(backend, slot, "ps -eo args=")
+    assert "sleep 60" in r.output  # the background job was not the timed-out command
+    assert "sleep 30" not in r.output
+
+
+async def test_background_pid_is_the_job(backend, slot):
+    r = await bash(backend, slot, "exec sleep 60", background=True)
+    pid = r.metadata["background"]["pid"]
+    r = await bash(backend, slot, f"ps -o args= -p {pid}")
+    assert r.output.strip() == "sleep 60"
 
 
 async def test_background_with_env(backend, slot):
     r = await bash(backend, slot, "echo $JOBVAR", background=True, env={"JOBVAR": "from-env"})
     log = r.metadata["background"]["log"]
-    deadline = time.monotonic() + 5
-    out = ""
-    while "from-env" not in out and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        out = (await call(backend, slot, "read_file", path=log)).output
+
+    async def log_text():
+        return (await call(backend, slot, "read_file", path=log)).output
+
+    out = await eventually(log_text, lambda t: "from-env" in t)
     assert out == "from-env\n"
 
 
@@ -243,14 +279,14 @@ async def test_write_and_read_file(backend, slot):
     assert r.output == "two\n"
     r = await call(backend, slot, "write_file", path="notes/a.txt", content="four\n", append=True)
     assert r.success
-    r = await bash(backend, slot, "cat notes/a.txt; stat -c %U notes/a.txt; id -un")
+    r = await bash(backend, slot, "cat notes/a.txt; stat -c %u notes/a.txt; id -u")
     lines = r.output.splitlines()
     assert lines[:4] == ["one", "two", "three", "four"]
     assert lines[4] == lines[5]  # the slot owns what the file tool wrote
 
 
 async def test_files_written_by_the_shell_are_readable(backend, slot):
-    await bash(backend, slot, "printf 'quote \\' and $dollar\\n' > q.txt")
+    await bash(backend, slot, "cat > q.txt <<'EOF'\nquote ' and $dollar\nEOF")
     r = await call(backend, slot, "read_file", path="q.txt")
     assert r.output == "quote ' and $dollar\n"
 
@@ -258,10 +294,24 @@ async def test_files_written_by_the_shell_are_readable(backend, slot):
 async def test_write_file_content_is_not_interpreted(backend, slot):
     tricky = "$(touch pwned) `id` '\"\\ %s %n\n" * 3 + "x" * 300_000
     r = await call(backend, slot, "write_file", path="t.txt", content=tricky)
+    assert r.success and r.metadata["bytes"] == len(tricky.encode())
+    art = await backend.read_artifact(slot, "t.txt")
+    assert art["content"] == tricky
+    assert (await call(backend, slot, "list_files")).output.splitlines() == ["t.txt"]
+
+
+async def test_read_file_of_a_big_file_is_capped_consistently(backend, slot):
+    await bash(backend, slot, "seq 1 100000 > big.txt; head -c 100000 /dev/urandom > big.bin")
+    r = await call(backend, slot, "read_file", path="big.txt")
+    assert r.success and r.metadata["truncated"] and len(r.output) < 51_000
+    assert r.output.startswith("1\n2\n") and r.output.endswith("99999\n100000\n")
+    # A base64 read returns base64 that decodes to the bytes it says it returned.
+    r = await call(backend, slot, "read_file", path="big.bin", encoding="base64")
     assert r.success
-    r = await call(backend, slot, "read_file", path="t.txt", encoding="base64")
-    assert base64.b64decode(r.output).decode() == tricky
-    assert "pwned" not in (await call(backend, slot, "list_files")).output
+    data = base64.b64decode(r.output, validate=True)
+    assert len(data) == r.metadata["bytes"]
+    whole = await backend.read_artifact(slot, "big.bin", encoding="base64")
+    assert base64.b64decode(whole["content"]).startswith(data)
 
 
 async def test_base64_round_trip(backend, slot):
@@ -274,7 +324,6 @@ async def test_base64_round_trip(backend, slot):
     r = await call(backend, slot, "read_file", path="bin/blob", encoding="base64", offset=10, limit=5)
     assert base64.b64decode(r.output) == blob[10:15]
     r = await bash(backend, slot, "sha256sum bin/blob | cut -d' ' -f1")
-    import hashlib
     assert r.output.strip() == hashlib.sha256(blob).hexdigest()
 
 
@@ -307,7 +356,6 @@ async def test_artifacts(backend, slot):
                               "&& ln -s r.txt out/link")
     art = await backend.read_artifact(slot, "out/r.txt", include_sha256=True)
     assert art["success"] and art["content"] == "result\n" and art["size"] == 7
-    import hashlib
     assert art["sha256"] == hashlib.sha256(b"result\n").hexdigest()
     art = await backend.read_artifact(slot, "out/r.txt", encoding="base64", max_bytes=3)
     assert base64.b64decode(art["content"]) == b"res" and art["truncated"] is True

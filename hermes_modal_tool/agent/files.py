@@ -54,8 +54,10 @@ class Workspace:
                     % (path, self.path))
         return [p for p in path.split("/") if p not in ("", ".")]
 
-    def walk(self, path, create_parents=False):
+    def walk(self, path, create_parents=False, follow_last=True):
         """Resolve ``path`` to ``(dir_fd, name, shown)``; ``name`` is None for the root.
+
+        With ``follow_last=False`` a final symlink is returned itself, not resolved.
 
         The caller owns ``dir_fd`` and must close it. ``shown`` is the path the
         slot would use.
@@ -85,7 +87,7 @@ class Workspace:
                     os.mkdir(part, 0o755, dir_fd=stack[-1])
                     self._own(part, stack[-1])
                     st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
-                if stat.S_ISLNK(st.st_mode):
+                if stat.S_ISLNK(st.st_mode) and (todo or follow_last):
                     links += 1
                     if links > MAX_LINKS:
                         raise FileToolError("too many symbolic links in %r" % path)
@@ -298,9 +300,9 @@ class Workspace:
                     info.mtime = int(time.time())
                     tf.addfile(info)
                 elif entry["type"] == "symlink" and fmt != "zip":
-                    dir_fd, name, _ = self.walk(os.path.dirname(full) or ".")
+                    dir_fd, name, _ = self.walk(full, follow_last=False)
                     try:
-                        target = os.readlink(os.path.basename(full), dir_fd=dir_fd)
+                        target = os.readlink(name, dir_fd=dir_fd)
                     finally:
                         os.close(dir_fd)
                     info = tarfile.TarInfo(rel)
@@ -394,7 +396,7 @@ def _require_path(args):
     return path
 
 
-def read_file(ws, args):
+def read_file(ws, args, output_limit=50000):
     """``{path, offset, limit, encoding}``: text reads lines (``offset`` 0-based first line,
     ``limit`` max lines); base64 reads bytes (``offset``/``limit`` in bytes)."""
     path = _require_path(args)
@@ -402,9 +404,14 @@ def read_file(ws, args):
     offset = _opt_int(args, "offset", 0)
     limit = _opt_int(args, "limit", None, 1)
     if enc == "base64":
-        data, st, shown = ws.read_bytes(path, offset, limit)
-        return base64.b64encode(data).decode(), {"path": shown, "size": st.st_size,
-                                                 "bytes": len(data), "encoding": "base64"}
+        # Cap by bytes so the base64 stays decodable; continue with a larger offset.
+        cap = max(3, (output_limit // 4) * 3)
+        want = cap if limit is None else min(limit, cap)
+        data, st, shown = ws.read_bytes(path, offset, want)
+        more = offset + len(data) < st.st_size and (limit is None or limit > len(data))
+        return base64.b64encode(data).decode(), {"path": shown, "size": st.st_size, "offset": offset,
+                                                 "bytes": len(data), "encoding": "base64",
+                                                 "truncated": more}
     data, st, shown = ws.read_bytes(path)
     text = data.decode("utf-8", "replace")
     lines = text.splitlines(True)
@@ -414,7 +421,7 @@ def read_file(ws, args):
                     "first_line": offset, "lines": len(lines[offset:end]), "encoding": "text"}
 
 
-def write_file(ws, args):
+def write_file(ws, args, limit=50000):
     path = _require_path(args)
     enc = _encoding(args)
     content = args.get("content")
@@ -435,7 +442,7 @@ def write_file(ws, args):
     return "%s %d bytes to %s" % (verb, len(data), shown), {"path": shown, "bytes": len(data)}
 
 
-def list_files(ws, args):
+def list_files(ws, args, limit=50000):
     path = args.get("path") or "."
     recursive = bool(args.get("recursive", False))
     max_entries = _opt_int(args, "max_entries", 1000, 1)
@@ -446,7 +453,7 @@ def list_files(ws, args):
     return "\n".join(lines), {"path": shown, "entries": entries, "truncated": truncated}
 
 
-def read_artifact(ws, args):
+def read_artifact(ws, args, limit=50000):
     path = _require_path(args)
     enc = _encoding(args)
     max_bytes = _opt_int(args, "max_bytes", None, 1)
@@ -459,7 +466,7 @@ def read_artifact(ws, args):
     return content, info
 
 
-def list_artifacts(ws, args):
+def list_artifacts(ws, args, limit=50000):
     path = args.get("path") or "."
     recursive = bool(args.get("recursive", False))
     max_entries = _opt_int(args, "max_entries", 10000, 1)
@@ -469,7 +476,7 @@ def list_artifacts(ws, args):
                               "truncated": truncated}
 
 
-def archive_artifacts(ws, args):
+def archive_artifacts(ws, args, limit=50000):
     path = args.get("path") or "."
     fmt = args.get("archive_format", "tar.gz") or "tar.gz"
     max_bytes = _opt_int(args, "max_bytes", None, 1)

@@ -292,6 +292,12 @@ class Agent:
             if args is None:
                 args = {}
             timeout = float(msg.get("timeout") or 30.0)
+            known = protocol.TOOL_ARGS.get(tool)
+            if known is not None and isinstance(args, dict):
+                extra = sorted(k for k in args if k not in known)
+                if extra:
+                    raise files.FileToolError("%s has no argument %s; it takes: %s" % (
+                        tool, ", ".join(repr(k) for k in extra), ", ".join(known)))
             if tool == "bash":
                 self.start_bash(slot, args, timeout, done)
             else:
@@ -310,9 +316,12 @@ class Agent:
             return protocol.call_result(
                 error="unknown tool %r; known tools: %s" % (tool, ", ".join(protocol.TOOLS)),
                 returncode=None)
-        output, data = fn(slot.workspace, args)
-        output, truncated = _cap(output, self.limit) if tool in ("read_file", "list_files") \
-            else (output, False)
+        output, data = fn(slot.workspace, args, self.limit)
+        truncated = False
+        if tool == "list_files" or (tool == "read_file" and data.get("encoding") == "text"):
+            output, truncated = _cap(output, self.limit)
+        elif tool == "read_file":
+            truncated = data.get("truncated", False)
         return protocol.call_result(output=output, returncode=0, truncated=truncated, data=data)
 
     def start_bash(self, slot, args, timeout, done):
@@ -363,8 +372,10 @@ class Agent:
         ws = slot.workspace.path
         log = "%s/.background/job_%d.log" % (ws, job)
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
-        launcher = ("mkdir -p %s/.background && %ssetsid bash --noprofile --norc %s "
-                    "</dev/null >%s 2>&1 & echo $!" % (_q(ws), prefix, _q(script), _q(log)))
+        # setsid is the backgrounded process itself, so $! is the job's pid and session id,
+        # and it exists before this call returns (a later timeout will not count it).
+        launcher = ("mkdir -p %s/.background || exit 1\n%ssetsid bash --noprofile --norc %s "
+                    "</dev/null >%s 2>&1 &\necho $!" % (_q(ws), prefix, _q(script), _q(log)))
         cmd = slot.write_ctl("cmd", launcher.encode("utf-8", "surrogatepass") + b"\n")
         res = await slot.shell.run(cmd, "/dev/null", {}, 10.0, 4096)
         try:

@@ -141,12 +141,20 @@ class LocalHandle(SandboxHandle):
             await _wait_exit(self.proc, 3.0)
         # The agent removes its own state; after a kill -9 we do.
         for path in self._cleanup:
-            await asyncio.to_thread(shutil.rmtree, path, True)
+            await _rmtree(path)
         _remove_cgroups(self._cgroup)
         try:
             self._stderr_path.unlink()
         except OSError:
             pass
+
+
+async def _rmtree(path: Path) -> None:
+    """Remove a directory tree off the event loop; in place when threads are gone (exit)."""
+    try:
+        await asyncio.to_thread(shutil.rmtree, path, True)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        shutil.rmtree(path, True)
 
 
 def _spawn_agent(stderr_path: Path) -> subprocess.Popen:
@@ -328,7 +336,7 @@ class LocalDriver(Driver):
         loop = asyncio.get_running_loop()
         try:
             proc = await asyncio.to_thread(_spawn_agent, stderr_path)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             raise SandboxStartError(f"could not start the agent for {sandbox_id}: {exc}") from exc
         output = _AgentOutput()
         await loop.connect_read_pipe(lambda: output, proc.stdout)
@@ -342,6 +350,6 @@ class LocalDriver(Driver):
 
     async def aclose(self) -> None:
         if self._own_root:
-            await asyncio.to_thread(shutil.rmtree, self.state_root, True)
+            await _rmtree(self.state_root)
         if self.ctl_root is not None:
-            await asyncio.to_thread(shutil.rmtree, self.ctl_root, True)
+            await _rmtree(self.ctl_root)

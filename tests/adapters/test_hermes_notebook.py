@@ -1,0 +1,49 @@
+"""notebooks/hermes_adapter.ipynb runs top to bottom (with the .venv's ipykernel) and is
+committed with its outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "hermes_adapter.ipynb"
+
+
+def outputs_text(nb: nbformat.NotebookNode) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            parts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def check_story(text: str) -> None:
+    assert "True" in text.splitlines()[0]  # check_terminal_requirements()
+    assert "  /data/slot_0/proj\n  42" in text  # alice's cd stuck; her file ran
+    assert "[bob] $ pwd && ls -A\n  exit_code=0 error=None\n  /data/slot_1\n" in text  # empty, apart
+    assert "exit_code=124" in text and "  working" in text  # timeout keeps the output
+    assert "still here in /data/slot_1" in text
+    assert "{'alice': '/data/slot_0', 'bob': '/data/slot_1'}" in text
+    assert "[alice] $ ls -A\n  exit_code=0 error=None\n" in text  # emptied by cleanup_vm
+    assert "2 tasks released" in text
+
+
+def test_notebook_is_committed_with_outputs() -> None:
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count for c in code)
+    assert not any(out.get("output_type") == "error" for c in code for out in c.outputs)
+    check_story(outputs_text(nb))
+
+
+def test_notebook_runs() -> None:
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    NotebookClient(nb, timeout=60, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on error
+    check_story(outputs_text(nb))
