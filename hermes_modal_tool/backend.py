@@ -265,6 +265,7 @@ class ToolBackend:
                                       or not timeout_s > 0):
             raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         results: list[ExecutionResult | None] = [None] * len(requests)
+        touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
         waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str]] = []
         for i, req in enumerate(requests):
             try:
@@ -289,12 +290,15 @@ class ToolBackend:
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
                                                      slot.slot_id)
                 continue
-            submitted = pool.submit(slot, tool, dict(args), timeout_s)
+            submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False)
             if isinstance(submitted, ExecutionResult):
                 results[i] = submitted
                 continue
             sb, mid, fut = submitted
+            touched[sb] = None
             waiting.append((i, pool, tool, slot, sb, mid, fut, os.urandom(16).hex()))
+        for sb in touched:
+            sb.flush()
         if waiting:
             futures = [w[6] for w in waiting]
             try:

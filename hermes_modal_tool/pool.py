@@ -365,8 +365,12 @@ class SandboxPool:
         self._offer(rec)
 
     # -- calls ---------------------------------------------------------------------
-    def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None):
-        """Send one tool call; return ``(sandbox, mid, future)`` or an ExecutionResult on error."""
+    def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
+               flush: bool = True):
+        """Send one tool call; return ``(sandbox, mid, future)`` or an ExecutionResult on error.
+
+        With ``flush=False`` the frame waits for the sandbox's ``flush()``.
+        """
         try:
             rec = self.record_of(slot)
         except UsageError as exc:
@@ -383,7 +387,7 @@ class SandboxPool:
             return ExecutionResult.failure(
                 f"timeout {wait:g}s is longer than the {MAX_CALL_TIMEOUT_S:g}s maximum", slot.slot_id)
         mid, fut = sb.submit({"op": "call", "slot": rec.index, "tool": tool, "args": args,
-                              "timeout": timeout}, wait + HOST_GRACE_S)
+                              "timeout": timeout}, wait + HOST_GRACE_S, flush)
         rec.inflight += 1
         slot.state = SlotState.EXECUTING
         self.stats["calls"] += 1

@@ -76,11 +76,12 @@ class ProtocolError(Exception):
     """Raised when a frame cannot be decoded (bad length, bad JSON, not an object)."""
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def encode(message):
     """Return the frame (bytes) for one message (a JSON-serialisable dict)."""
-    payload = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode(
-        "utf-8", "surrogatepass"
-    )
+    payload = _ENCODER.encode(message).encode("utf-8", "surrogatepass")
     if len(payload) > MAX_FRAME_BYTES:
         raise ProtocolError(
             "message of %d bytes exceeds the %d byte frame limit" % (len(payload), MAX_FRAME_BYTES)

@@ -40,6 +40,7 @@ class Sandbox:
         self.last_used = self.started_at
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self._outbox: list[bytes] = []
         self._on_death = on_death
         self._reader: asyncio.Task | None = None
         self._closing = False
@@ -115,8 +116,10 @@ class Sandbox:
             self._on_death(self)
 
     # -- requests ------------------------------------------------------------
-    def submit(self, message: dict[str, Any], wait_s: float) -> tuple[int, asyncio.Future]:
-        """Send one request now; return its id and a future for the reply.
+    def submit(self, message: dict[str, Any], wait_s: float,
+               flush: bool = True) -> tuple[int, asyncio.Future]:
+        """Send one request (now, or at the next :meth:`flush` when ``flush=False``, so a
+        batch goes out in one write); return its id and a future for the reply.
 
         The future fails with SandboxDiedError if the sandbox dies, or SandboxError
         if no reply comes within ``wait_s`` seconds.
@@ -129,11 +132,21 @@ class Sandbox:
         mid = next(self._ids)
         message["id"] = mid
         self._pending[mid] = fut
-        self.handle.write(protocol.encode(message))
+        self._outbox.append(protocol.encode(message))
+        if flush:
+            self.flush()
         timer = loop.call_later(wait_s, self._expire, mid, wait_s)
         fut.add_done_callback(lambda _f: timer.cancel())
         self.last_used = time.monotonic()
         return mid, fut
+
+    def flush(self) -> None:
+        """Write the queued request frames (one write for a whole batch)."""
+        if self._outbox:
+            data = b"".join(self._outbox) if len(self._outbox) > 1 else self._outbox[0]
+            self._outbox.clear()
+            if not self.dead:
+                self.handle.write(data)
 
     def _expire(self, mid: int, wait_s: float) -> None:
         fut = self._pending.pop(mid, None)

@@ -9,8 +9,10 @@ our code installed: any image with ``python3`` >= 3.8 works.
 
 from __future__ import annotations
 
+import binascii
 import functools
 import json
+import marshal
 from importlib import resources
 
 # Modules sent into the sandbox, in import order (dependencies first).
@@ -25,7 +27,7 @@ _MODULES = (
 )
 
 BOOTSTRAP = (
-    "import os,sys,json,types\n"
+    "import os,sys,json,types,marshal,binascii\n"
     "def r(n):\n"
     " b=b''\n"
     " while len(b)<n:\n"
@@ -40,22 +42,33 @@ BOOTSTRAP = (
     " sys.modules[name]=m\n"
     " p=sys.modules.get(m.__package__)\n"
     " if p is not None and p is not m: setattr(p,name.rpartition('.')[2],m)\n"
-    " if src: exec(compile(src,m.__file__,'exec'),m.__dict__)\n"
+    " if src and src[0]=='#': exec(compile(src,m.__file__,'exec'),m.__dict__)\n"
+    " elif src: exec(marshal.loads(binascii.a2b_base64(src)),m.__dict__)\n"
     "sys.modules['hermes_modal_tool.agent.main'].main()\n"
 )
 
 
-@functools.lru_cache(maxsize=1)
-def bundle() -> bytes:
+@functools.lru_cache(maxsize=2)
+def bundle(compiled: bool = False) -> bytes:
     """Return the bytes a driver writes to the agent's stdin before any frame.
 
     Shape: a 10-digit ASCII length, then that many bytes of JSON
-    ``[[module_name, source_or_null], ...]``.
+    ``[[module_name, source_or_null], ...]``. With ``compiled=True`` the modules
+    are sent as marshalled code objects (base64), which only an interpreter of
+    this exact version can load: the local driver runs the agent with
+    ``sys.executable``, so it saves the agent compiling them (~20 ms per start).
     """
     root = resources.files("hermes_modal_tool")
     mods = []
     for name, rel in _MODULES:
-        src = None if rel is None else root.joinpath(rel).read_text(encoding="utf-8")
+        src = None
+        if rel is not None:
+            text = "# " + rel + "\n" + root.joinpath(rel).read_text(encoding="utf-8")
+            if compiled:
+                code = compile(text, f"<hermes-modal-tool:{name}>", "exec")
+                src = binascii.b2a_base64(marshal.dumps(code), newline=False).decode("ascii")
+            else:
+                src = text
         mods.append([name, src])
     payload = json.dumps(mods).encode("utf-8")
     return b"%010d" % len(payload) + payload

@@ -14,13 +14,8 @@ out).
 """
 
 import base64
-import hashlib
-import io
 import os
 import stat
-import tarfile
-import time
-import zipfile
 
 MAX_READ_BYTES = 64 * 1024 * 1024
 MAX_LINKS = 40
@@ -259,6 +254,11 @@ class Workspace:
         """Archive a directory (or one file) without following symlinks; return bytes."""
         if fmt not in ("tar.gz", "tar", "zip"):
             raise FileToolError("unknown archive_format %r; use tar.gz, tar or zip" % fmt)
+        import io  # imported here: the agent starts faster without them
+        import tarfile
+        import time
+        import zipfile
+
         entries, truncated, shown = self.list_dir(path, recursive=True,
                                                   max_entries=max_entries or 100000)
         if truncated and max_entries:
@@ -462,6 +462,8 @@ def read_artifact(ws, args, limit=50000):
     info = {"path": shown, "content": content, "encoding": enc, "size": st.st_size,
             "truncated": len(data) < st.st_size}
     if args.get("include_sha256"):
+        import hashlib
+
         info["sha256"] = hashlib.sha256(data).hexdigest()
     return content, info
 

@@ -26,7 +26,7 @@ import time
 HIDDEN_TOP = frozenset(("proc", "dev", "sys", "tmp", "run", "home", "root", "mnt", "media",
                         "lost+found", "boot"))
 # Where a slot sees its control files (the command to run, its stdin).
-CTL_PATH = "/run/hermes-modal-tool"
+CTL_PATH = "/run/hmt"  # short: bash reads the per-command line one byte at a time
 
 
 def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_fd):

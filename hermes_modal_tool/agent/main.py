@@ -47,16 +47,19 @@ class SlotRuntime:
         self.workspace = files.Workspace(
             self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
             self.uid, self.gid)
-        self.prepare_dirs()
+        self.ready = False  # directories are made on first use (fast sandbox start)
 
     @property
     def ctl_path(self):
         return isolation.CTL_PATH if self.agent.isolation == "bwrap" else self.ctl_host
 
     def prepare_dirs(self):
+        if self.ready:
+            return
         os.makedirs(self.ctl_host, mode=0o755, exist_ok=True)
         os.makedirs(self.ws_host, exist_ok=True)
         self.workspace.wipe()
+        self.ready = True
 
     def memory_limit_hit(self):
         cg = self.agent.cgroups
@@ -96,6 +99,7 @@ class SlotRuntime:
             self.agent.start_call(self, self.queue.popleft())
 
     def set_busy(self, mid):
+        self.prepare_dirs()
         self.busy = True
         self.current = mid
         self.idle.clear()
@@ -126,6 +130,7 @@ class Agent:
         self.loop = loop
         self.out = out_transport
         self.slots = {}
+        self.outbox = []
         self.tasks = set()
         self.config = None
         self.cgroups = None
@@ -135,8 +140,15 @@ class Agent:
 
     # -- io ------------------------------------------------------------------
     def send(self, message):
-        if not self.out.is_closing():
-            self.out.write(protocol.encode(message))
+        """Queue a frame; frames queued in one loop pass go out in one write."""
+        if not self.outbox:
+            self.loop.call_soon(self.flush)
+        self.outbox.append(protocol.encode(message))
+
+    def flush(self):
+        if self.outbox and not self.out.is_closing():
+            self.out.write(b"".join(self.outbox))
+        self.outbox = []
 
     def on_message(self, msg):
         op = msg.get("op")
@@ -271,6 +283,12 @@ class Agent:
             self.send({"id": mid, "ok": False, "error": "reset failed: %s" % exc})
         else:
             self.send({"id": mid, "ok": True, "result": {}})
+            # The next holder's first command should not wait for a shell to start.
+            self.flush()  # the reply goes out before the spawn
+            try:
+                slot.shell.spawn()
+            except OSError:
+                pass  # started (and reported) on first use instead
         finally:
             slot.set_idle()
 

@@ -33,8 +33,9 @@ INIT_LINES = (
     "set +o history 2>/dev/null; shopt -s expand_aliases\n"
 )
 # Sourced for each command: the command, then the end marker with its exit code.
-RUNNER = ("{ . @CMD@; } <\"$__hmt_i\" 2>&1\n"
-          "printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"\n")
+# ``\\builtin printf``: a command that redefines printf cannot hide the marker.
+RUNNER = ("{ . @CMD@; } <@IN@\n"
+          "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"\n")
 TERM_GRACE_S = 0.5
 SHELL_GRACE_S = 2.0
 
@@ -149,7 +150,7 @@ class Shell:
         self.exit_status = None
         self.eof = None
         self.resume_dir = None
-        self.runner = None
+        self.runner = self.stdin_runner = None
         self.cmd_started = (0, 0)
         self.on_done = None
         self.timer = None
@@ -204,7 +205,10 @@ class Shell:
         self.exit_status = None
         self.eof = self.loop.create_future()
         self.loop.add_reader(out_r, self._on_output)
-        self.runner = self.slot.write_ctl("run", RUNNER.replace("@CMD@", self.slot.ctl_path + "/cmd").encode())
+        ctl = self.slot.ctl_path
+        runner = RUNNER.replace("@CMD@", ctl + "/cmd")
+        self.runner = self.slot.write_ctl("r", runner.replace("@IN@", "/dev/null").encode())
+        self.stdin_runner = self.slot.write_ctl("s", runner.replace("@IN@", ctl + "/stdin").encode())
         start = INIT_LINES
         if self.resume_dir:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
@@ -331,20 +335,26 @@ class Shell:
         return real
 
     def kill(self):
-        """Kill the shell and every process of the slot (a hard reset)."""
+        """Kill the shell and every process of the slot (a hard reset).
+
+        With namespaces, killing the slot's init ends every process in its PID
+        namespace; the outer bwrap then reaps it and exits (killing both at once
+        would leave the init as a zombie for PID 1 to reap).
+        """
         slot = self.slot
-        if self.proc is not None:
-            for pid in (self._init(), self.proc.pid):
-                if pid:
+        if self.proc is None:
+            return
+        init = self._init()
+        if init:
+            isolation._kill(init, signal.SIGKILL)
+        else:
+            isolation._kill(self.proc.pid, signal.SIGKILL)
+        if slot.agent.isolation != "bwrap":
+            for pid in self.slot_processes():
+                isolation._kill(pid, signal.SIGKILL)
+            for sid in slot.background_sids:
+                for pid, _, _, _ in isolation.ns_processes(session=sid):
                     isolation._kill(pid, signal.SIGKILL)
-            if slot.agent.isolation != "bwrap":
-                for pid in self.slot_processes():
-                    isolation._kill(pid, signal.SIGKILL)
-                for sid in slot.background_sids:
-                    for pid, _, _, _ in isolation.ns_processes(session=sid):
-                        isolation._kill(pid, signal.SIGKILL)
-        if slot.agent.cgroups:
-            slot.agent.cgroups.kill_slot(slot.index)
 
     async def stop(self):
         """Kill everything and wait (bounded) until the shell is reaped."""
@@ -353,10 +363,16 @@ class Shell:
         self.kill()
         if self.eof is not None and not self.eof.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self.eof), 5.0)
+                await asyncio.wait_for(asyncio.shield(self.eof), 2.0)
             except asyncio.TimeoutError:
-                pass
+                isolation._kill(self.proc.pid, signal.SIGKILL)
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.eof), 3.0)
+                except asyncio.TimeoutError:
+                    pass
         self._reap(block=True)
+        if self.slot.agent.cgroups:
+            self.slot.agent.cgroups.kill_slot(self.slot.index)  # anything that escaped
         self.close_fds()
         self.proc = None
 
@@ -374,7 +390,7 @@ class Shell:
             self.proc = None
         if self.proc is None:
             self.spawn()
-        nonce = os.urandom(8).hex()
+        nonce = os.urandom(4).hex()  # only this slot's own output could forge it
         self.cmd_started = isolation.process_clock()
         collector = OutputCollector(nonce.encode(), limit, self.loop)
         self.collector = collector
@@ -383,11 +399,12 @@ class Shell:
         self.timed_out = self.cancelled = self.interrupting = False
         if env:
             prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
-            line = ("__hmt_n=%s; { %s. %s; } <%s 2>&1; printf '\\036%%s %%d\\036\\n' "
+            line = ("__hmt_n=%s; { %s. %s; } <%s; \\builtin printf '\\036%%s %%d\\036\\n' "
                     "\"$__hmt_n\" \"$?\"\n" % (nonce, prefix, command_file, shell_quote(stdin_path)))
         else:
             # Short form: bash reads its input one byte at a time, so keep it short.
-            line = "__hmt_n=%s __hmt_i=%s; . %s\n" % (nonce, shell_quote(stdin_path), self.runner)
+            runner = self.runner if stdin_path == "/dev/null" else self.stdin_runner
+            line = "__hmt_n=%s;. %s\n" % (nonce, runner)
         try:
             self._write(line.encode())
         except OSError:

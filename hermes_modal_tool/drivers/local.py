@@ -35,6 +35,7 @@ DEFAULT_IMAGE = SandboxConfig.model_fields["image"].default
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _UID_SEQ = itertools.count(random.randrange(0, 16384))
 _warned_images: set[str] = set()
+_USERNS_OK: set[str] = set()  # bwrap paths known to work in this process
 
 
 def find_bwrap() -> str:
@@ -271,7 +272,7 @@ class LocalDriver(Driver):
         return str(target)
 
     async def _check_userns(self, bwrap: str) -> None:
-        if self._checked:
+        if self._checked or bwrap in _USERNS_OK:
             return
         argv = [bwrap, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc",
                 "--dev", "/dev", "true"]
@@ -291,6 +292,7 @@ class LocalDriver(Driver):
                 "'sysctl -w kernel.apparmor_restrict_unprivileged_userns=0'), or set "
                 "'isolation: none' in the profile to run slots without isolation")
         self._checked = True
+        _USERNS_OK.add(bwrap)
 
     def agent_env(self, config: SandboxConfig) -> dict[str, str]:
         env = {"PATH": BASE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb",
@@ -341,7 +343,7 @@ class LocalDriver(Driver):
         output = _AgentOutput()
         await loop.connect_read_pipe(lambda: output, proc.stdout)
         writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
-        writer.write(agent.bundle())
+        writer.write(agent.bundle(compiled=True))  # the agent runs on sys.executable
         cleanup = [state_dir] + ([self.ctl_root / sandbox_id] if self.ctl_root else [])
         return LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup, cgroup), init
 
