@@ -277,18 +277,21 @@ class Agent:
             slot.shell.cancel()
             await slot.idle.wait()
         slot.set_busy(mid)
+        had_shell = slot.shell.proc is not None
         try:
             await slot.reset()
         except Exception as exc:
             self.send({"id": mid, "ok": False, "error": "reset failed: %s" % exc})
         else:
             self.send({"id": mid, "ok": True, "result": {}})
-            # The next holder's first command should not wait for a shell to start.
-            self.flush()  # the reply goes out before the spawn
-            try:
-                slot.shell.spawn()
-            except OSError:
-                pass  # started (and reported) on first use instead
+            if had_shell:
+                # A slot that was used will be used again: the next holder's first
+                # command should not wait for a shell to start.
+                self.flush()  # the reply goes out before the spawn
+                try:
+                    slot.shell.spawn()
+                except OSError:
+                    pass  # started (and reported) on first use instead
         finally:
             slot.set_idle()
 
