@@ -86,6 +86,17 @@ class ToolBackend:
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._started = False
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this backend runs on (set by the first ``start``/``acquire``).
+
+        Every coroutine of the backend must be awaited on this loop; from sync code or
+        another loop, submit them with :func:`hermes_modal_tool.portal.run_sync` (after
+        starting the backend there) or ``asyncio.run_coroutine_threadsafe``.
+        """
+        return self._loop
 
     @staticmethod
     def _default_config() -> SandboxConfig:
@@ -144,6 +155,7 @@ class ToolBackend:
         """
         if self._closed:
             return
+        self._check_open()  # on the backend's own loop
         self._closed = True
         await asyncio.gather(*(p.stop() for p in self._pools.values()), return_exceptions=True)
         await asyncio.gather(*(d.aclose() for d in self._drivers.values()), return_exceptions=True)
@@ -160,6 +172,14 @@ class ToolBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise BackendClosedError("this backend was stopped; create a new one")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise UsageError(
+                "this backend runs on another event loop (the one it was started on); "
+                "await it there, e.g. with asyncio.run_coroutine_threadsafe(coro, backend.loop) "
+                "or hermes_modal_tool.portal.run_sync after starting it with run_sync")
 
     def profile(self, name: str | None = None) -> SandboxConfig:
         """The named profile's config (the default profile for None).
@@ -221,6 +241,7 @@ class ToolBackend:
             raise UsageError(f"release() takes a Slot, got {type(slot).__name__}")
         if self._closed:
             return
+        self._check_open()
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")

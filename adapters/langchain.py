@@ -1,0 +1,532 @@
+"""LangChain and Deep Agents adapters: sandboxed ``bash``, ``read_file`` and ``write_file``.
+
+Three LangChain tools (:class:`BashTool`, :class:`ReadFileTool`,
+:class:`WriteFileTool`) whose name, description and argument schema come from
+:data:`hermes_modal_tool.tools.TOOL_SPECS`; a toolkit (:class:`SandboxToolkit`)
+binding them to one backend; and :class:`SlotSandbox`, a Deep Agents sandbox
+backend (``create_deep_agent(backend=SlotSandbox(...))``) on a slot.
+
+Which slot a call runs in: the fixed ``trajectory_id`` when one is given, else the
+LangGraph ``thread_id`` of the run (``config["configurable"]["thread_id"]``), else
+one slot per toolkit. A key keeps its slot, so ``cd``, ``export`` and files persist
+between calls, until :meth:`SandboxToolkit.aclose`.
+
+Tools return ``(content, artifact)`` (``response_format="content_and_artifact"``):
+the content is short text for the model (output plus exit code or error), the
+artifact the :class:`~hermes_modal_tool.ExecutionResult`. A non-zero exit, a
+timeout (exit code 124) or a bad path is tool output the model reads, not an
+exception.
+
+Async calls (``ainvoke``) await the engine; sync calls (``invoke``) run it on the
+process's one background loop (:func:`hermes_modal_tool.portal.run_sync`). A
+backend lives on the event loop it was started on: start it with
+``run_sync(backend.start())`` to use it from sync code and from any loop, or
+``await backend.start()`` and call the tools with ``ainvoke`` on that loop.
+
+Example:
+    >>> from hermes_modal_tool import SandboxConfig, ToolBackend
+    >>> from hermes_modal_tool.portal import run_sync
+    >>> from hermes_modal_tool.adapters.langchain import SandboxToolkit
+    >>> backend = ToolBackend(SandboxConfig(slots_per_sandbox=4))
+    >>> run_sync(backend.start())  # doctest: +SKIP
+    >>> bash, read_file, write_file = SandboxToolkit(backend).get_tools()
+    >>> cfg = {"configurable": {"thread_id": "t1"}}
+    >>> bash.invoke({"command": "mkdir p && cd p"}, cfg)  # doctest: +SKIP
+    '(no output)\\n[exit code 0]'
+    >>> bash.invoke({"command": "pwd"}, cfg)  # doctest: +SKIP
+    '/data/slot_0/p\\n[exit code 0]'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shlex
+import uuid
+from collections.abc import Coroutine
+from typing import Any, ClassVar, Literal, TypeVar
+
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool, BaseToolkit
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hermes_modal_tool.backend import ToolBackend
+from hermes_modal_tool.errors import PoolTimeoutError, SandboxError, UsageError
+from hermes_modal_tool.portal import portal, run_sync
+from hermes_modal_tool.sessions import SlotSessions
+from hermes_modal_tool.slots import ExecutionResult, Slot
+from hermes_modal_tool.tools import TOOL_SPECS
+
+__all__ = ["BashTool", "ReadFileTool", "SandboxToolkit", "SlotSandbox", "WriteFileTool"]
+
+T = TypeVar("T")
+
+#: Built on first access (see ``__getattr__`` at the end): importing Deep Agents takes seconds.
+SlotSandbox: type[Any]
+
+#: ``execute(timeout=0)`` means "no timeout" in Deep Agents; the longest we allow.
+NO_TIMEOUT_S = 86400.0
+
+
+# -- calling the engine from any thread or loop ---------------------------------------
+
+def _home_loop(backend: ToolBackend) -> asyncio.AbstractEventLoop | None:
+    """The event loop ``backend`` runs on, or None before its first pool starts."""
+    loop = getattr(backend, "loop", None)
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        return loop
+    # ToolBackend does not expose its loop yet; its pools' reaper tasks know it.
+    for pool in getattr(backend, "_pools", {}).values():
+        task = getattr(pool, "_reaper", None)
+        if task is not None:
+            return task.get_loop()
+    return None
+
+
+async def _acall(backend: ToolBackend, coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` on the backend's loop (directly when that is the running loop)."""
+    home = _home_loop(backend)
+    if home is None or home is asyncio.get_running_loop():
+        return await coro
+    if home.is_closed() or not home.is_running():
+        coro.close()
+        raise UsageError("the backend's event loop is not running; start the backend with "
+                         "hermes_modal_tool.portal.run_sync(backend.start()) to share it across loops")
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, home))
+
+
+def _call(backend: ToolBackend, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the backend's loop from sync code and wait for its result."""
+    home = _home_loop(backend)
+    if home is None or home is portal().loop:
+        return run_sync(coro)
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is home or home.is_closed() or not home.is_running():
+        coro.close()
+        raise UsageError("sync call into a backend whose event loop is busy with this call or not "
+                         "running; use the async API (ainvoke, aexecute), or start the backend "
+                         "with hermes_modal_tool.portal.run_sync(backend.start())")
+    return asyncio.run_coroutine_threadsafe(coro, home).result()
+
+
+def _thread_key(config: RunnableConfig | None) -> str | None:
+    thread = ((config or {}).get("configurable") or {}).get("thread_id")
+    return None if thread is None else str(thread)
+
+
+def _new_key() -> str:
+    return f"langchain-{uuid.uuid4().hex[:12]}"
+
+
+async def _run_tool(sessions: SlotSessions, key: str, tool: str, args: dict[str, Any],
+                    profile: str | None, timeout_s: float | None) -> ExecutionResult:
+    """One call in ``key``'s slot; a busy pool or a lost sandbox becomes a failed result."""
+    try:
+        return await sessions.execute(key, tool, args, timeout_s=timeout_s, profile=profile)
+    except (PoolTimeoutError, SandboxError) as exc:
+        return ExecutionResult.failure(f"{type(exc).__name__}: {exc}")
+
+
+# -- LangChain tools -------------------------------------------------------------------
+
+class _SlotTool(BaseTool):
+    """A TOOL_SPECS tool run in a slot of a backend (see the module docstring)."""
+
+    spec_name: ClassVar[str]
+    response_format: Literal["content", "content_and_artifact"] = "content_and_artifact"
+
+    backend: ToolBackend | None = Field(default=None, exclude=True, description="The engine.")
+    sessions: SlotSessions | None = Field(
+        default=None, exclude=True, description="Key -> slot map; shared by a toolkit's tools.")
+    trajectory_id: str | None = Field(
+        default=None, description="Run every call in this key's slot (else: the thread_id).")
+    profile: str | None = Field(default=None, description="Profile to acquire slots from.")
+    timeout_s: float | None = Field(default=None, gt=0, description="Per-call timeout, seconds.")
+    default_key: str = Field(default_factory=_new_key,
+                             description="The key of calls with neither trajectory_id nor thread_id.")
+
+    @model_validator(mode="after")
+    def _bind(self) -> _SlotTool:
+        if self.sessions is None:
+            if self.backend is None:
+                raise ValueError(f"{type(self).__name__} needs backend= or sessions=")
+            self.sessions = SlotSessions(self.backend)
+        elif self.backend is None:
+            self.backend = self.sessions.backend
+        elif self.sessions.backend is not self.backend:
+            raise ValueError("sessions belong to another backend")
+        return self
+
+    def key(self, config: RunnableConfig | None = None) -> str:
+        """The slot key of a call made with ``config``."""
+        return self.trajectory_id or _thread_key(config) or self.default_key
+
+    def _run(self, config: RunnableConfig, **kwargs: Any) -> tuple[str, ExecutionResult]:
+        return _call(self.backend, self._call_engine(config, kwargs))
+
+    async def _arun(self, config: RunnableConfig, **kwargs: Any) -> tuple[str, ExecutionResult]:
+        return await _acall(self.backend, self._call_engine(config, kwargs))
+
+    async def _call_engine(self, config: RunnableConfig, kwargs: dict[str, Any]) -> tuple[str, ExecutionResult]:
+        spec = TOOL_SPECS[self.spec_name]
+        result = await _run_tool(self.sessions, self.key(config), spec.name, spec.engine_args(kwargs),
+                                 self.profile, self.timeout_s)
+        return self.format_result(result), result
+
+    @staticmethod
+    def format_result(result: ExecutionResult) -> str:
+        """The text the model reads."""
+        if result.success:
+            return result.output
+        return f"Error: {result.error}"
+
+
+class BashTool(_SlotTool):
+    """The ``bash`` tool: a command in the slot's persistent shell.
+
+    Content: the output, then ``[exit code N]`` (and the error, e.g. a timeout).
+    """
+
+    spec_name: ClassVar[str] = "bash"
+    name: str = TOOL_SPECS["bash"].name
+    description: str = TOOL_SPECS["bash"].description
+    args_schema: type[BaseModel] = TOOL_SPECS["bash"].args_model
+
+    @staticmethod
+    def format_result(result: ExecutionResult) -> str:
+        rc = result.returncode
+        out = result.output.rstrip("\n") or "(no output)"
+        status = f"exit code {rc}" if rc is not None else "error"
+        if result.error and result.error != f"exit code {rc}":
+            status += f": {result.error}"
+        return f"{out}\n[{status}]"
+
+
+class ReadFileTool(_SlotTool):
+    """The ``read_file`` tool: the file's text (or ``Error: ...``)."""
+
+    spec_name: ClassVar[str] = "read_file"
+    name: str = TOOL_SPECS["read_file"].name
+    description: str = TOOL_SPECS["read_file"].description
+    args_schema: type[BaseModel] = TOOL_SPECS["read_file"].args_model
+
+
+class WriteFileTool(_SlotTool):
+    """The ``write_file`` tool: ``wrote N bytes to PATH`` (or ``Error: ...``)."""
+
+    spec_name: ClassVar[str] = "write_file"
+    name: str = TOOL_SPECS["write_file"].name
+    description: str = TOOL_SPECS["write_file"].description
+    args_schema: type[BaseModel] = TOOL_SPECS["write_file"].args_model
+
+
+_TOOL_CLASSES: dict[str, type[_SlotTool]] = {
+    cls.spec_name: cls for cls in (BashTool, ReadFileTool, WriteFileTool)}
+
+
+class SandboxToolkit(BaseToolkit):
+    """``bash``, ``read_file`` and ``write_file`` bound to one backend and one trajectory
+    (or one slot per LangGraph thread), like LangChain's other toolkits.
+
+    Args:
+        backend: the engine (see the module docstring for which loop it runs on).
+        trajectory_id: run every call in this key's slot; None: the run's
+            ``thread_id`` picks the slot (one toolkit-wide slot when there is none).
+        profile: the profile slots come from (default: the backend's).
+        timeout_s: per-call timeout (default: the profile's ``execution_timeout_s``;
+            a bash call's own ``timeout`` wins).
+        tools: which of ``bash``, ``read_file``, ``write_file`` to give out.
+        sessions: a :class:`SlotSessions` to share (e.g. with a :class:`SlotSandbox`).
+        idle_release_s: release a key's slot after this many idle seconds (checked
+            on the next call; None: keep it until :meth:`close`). For servers with
+            many short threads.
+
+    Example:
+        >>> toolkit = SandboxToolkit(backend)  # doctest: +SKIP
+        >>> agent = create_agent(model, toolkit.get_tools())  # doctest: +SKIP
+        >>> agent.invoke({"messages": [...]}, {"configurable": {"thread_id": "a"}})  # doctest: +SKIP
+        >>> toolkit.close()  # doctest: +SKIP
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    backend: ToolBackend
+    trajectory_id: str | None = None
+    profile: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+    tools: tuple[str, ...] = ("bash", "read_file", "write_file")
+    sessions: SlotSessions | None = None
+    idle_release_s: float | None = Field(default=None, gt=0)
+    default_key: str = Field(default_factory=_new_key)
+
+    def __init__(self, backend: ToolBackend, trajectory_id: str | None = None, **kwargs: Any) -> None:
+        super().__init__(backend=backend, trajectory_id=trajectory_id, **kwargs)
+
+    @model_validator(mode="after")
+    def _bind(self) -> SandboxToolkit:
+        unknown = set(self.tools) - set(_TOOL_CLASSES)
+        if unknown:
+            raise ValueError(f"unknown tools {sorted(unknown)}; known: {sorted(_TOOL_CLASSES)}")
+        if self.sessions is None:
+            self.sessions = SlotSessions(self.backend, lifetime_s=self.idle_release_s)
+        elif self.sessions.backend is not self.backend:
+            raise ValueError("sessions belong to another backend")
+        return self
+
+    def get_tools(self) -> list[BaseTool]:
+        """The tools, sharing this toolkit's slots."""
+        return [_TOOL_CLASSES[name](sessions=self.sessions, trajectory_id=self.trajectory_id,
+                                    profile=self.profile, timeout_s=self.timeout_s,
+                                    default_key=self.default_key)
+                for name in self.tools]
+
+    def key(self, config: RunnableConfig | None = None) -> str:
+        """The slot key of a call made with ``config`` (or of ``trajectory_id``)."""
+        return self.trajectory_id or _thread_key(config) or self.default_key
+
+    async def aslot(self, config: RunnableConfig | None = None) -> Slot:
+        """The slot calls with ``config`` run in (acquired now if needed)."""
+        return await _acall(self.backend, self.sessions.slot(self.key(config), self.profile))
+
+    def slot(self, config: RunnableConfig | None = None) -> Slot:
+        """Sync :meth:`aslot`."""
+        return _call(self.backend, self.sessions.slot(self.key(config), self.profile))
+
+    async def aclose(self, config: RunnableConfig | None = None) -> int:
+        """Release the slot of ``config``'s key, or every slot when None; return how many."""
+        if config is None:
+            return await _acall(self.backend, self.sessions.close_all())
+        return int(await _acall(self.backend, self.sessions.close(self.key(config))))
+
+    def close(self, config: RunnableConfig | None = None) -> int:
+        """Sync :meth:`aclose`."""
+        if config is None:
+            return _call(self.backend, self.sessions.close_all())
+        return int(_call(self.backend, self.sessions.close(self.key(config))))
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        """Per key: slot id, workspace, profile, seconds idle, state."""
+        return self.sessions.info()
+
+
+# -- Deep Agents backend -------------------------------------------------------------
+
+_UPLOAD_SCRIPT = r"""(
+x={xfer}
+put() {{
+  d=$(dirname -- "$2")
+  [ -d "$d" ] || mkdir -p -- "$d" 2>/dev/null
+  if [ -d "$2" ]; then echo "$1 is_directory"
+  elif [ -e "$d" ] && [ ! -d "$d" ]; then echo "$1 invalid_path"
+  elif [ ! -d "$d" ]; then echo "$1 permission_denied"
+  elif [ ! -f "$x/$1" ]; then echo "$1 transfer_failed"
+  elif cat -- "$x/$1" > "$2" 2>/dev/null; then echo "$1 ok"
+  else echo "$1 permission_denied"
+  fi
+}}
+{calls}
+rm -rf -- "$x"
+)"""
+
+_DOWNLOAD_SCRIPT = r"""(
+x={xfer}
+mkdir -p -- "$x"
+get() {{
+  if [ -d "$2" ]; then echo "$1 is_directory"
+  elif [ ! -e "$2" ]; then echo "$1 file_not_found"
+  elif [ ! -r "$2" ]; then echo "$1 permission_denied"
+  elif cat -- "$2" > "$x/$1" 2>/dev/null; then echo "$1 ok"
+  else echo "$1 permission_denied"
+  fi
+}}
+{calls}
+)"""
+
+
+def _statuses(result: ExecutionResult) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for line in result.output.splitlines():
+        index, _, status = line.partition(" ")
+        if index.isdigit():
+            out[int(index)] = status
+    return out
+
+
+def _slot_sandbox_class() -> type[Any]:
+    from deepagents.backends.protocol import (
+        ExecuteResponse,
+        FileDownloadResponse,
+        FileUploadResponse,
+    )
+    from deepagents.backends.sandbox import BaseSandbox
+
+    class SlotSandbox(BaseSandbox):
+        """A Deep Agents sandbox backend (``SandboxBackendProtocol``) on a slot, like
+        ``langchain_modal.ModalSandbox`` on a Modal sandbox.
+
+        ``execute`` runs in the slot's persistent shell (``cd`` and ``export``
+        persist); ``upload_files``/``download_files`` move bytes through the
+        workspace with the slot user's permissions, so any path the slot can
+        reach works (the workspace, ``/tmp``). Deep Agents' file tools (ls,
+        read, write, edit, grep, glob) are ``BaseSandbox``'s, built on those.
+
+        Args:
+            backend: the engine.
+            trajectory_id: the slot key; None: the LangGraph ``thread_id`` of
+                the current run (one slot per thread), else one slot per instance.
+            profile: the profile slots come from.
+            sessions: a :class:`SlotSessions` to share with a
+                :class:`SandboxToolkit` (same thread, same slot).
+            timeout_s: default per-command timeout (default: the profile's).
+
+        Example:
+            >>> from deepagents import create_deep_agent
+            >>> sandbox = SlotSandbox(backend, "task-1")  # doctest: +SKIP
+            >>> agent = create_deep_agent(model=model, backend=sandbox)  # doctest: +SKIP
+            >>> sandbox.execute("pwd").output  # doctest: +SKIP
+            '/data/slot_0\\n'
+        """
+
+        def __init__(self, backend: ToolBackend, trajectory_id: str | None = None, *,
+                     profile: str | None = None, sessions: SlotSessions | None = None,
+                     timeout_s: float | None = None) -> None:
+            if sessions is not None and sessions.backend is not backend:
+                raise UsageError("sessions belong to another backend")
+            self.backend = backend
+            self.sessions = sessions if sessions is not None else SlotSessions(backend)
+            self.trajectory_id = trajectory_id
+            self.profile = profile
+            self.timeout_s = timeout_s
+            self.default_key = _new_key()
+
+        def key(self) -> str:
+            """The slot key of the current call."""
+            if self.trajectory_id:
+                return self.trajectory_id
+            try:
+                from langgraph.config import get_config
+                return _thread_key(get_config()) or self.default_key
+            except (ImportError, RuntimeError):  # outside a LangGraph run
+                return self.default_key
+
+        async def aslot(self) -> Slot:
+            """The current key's slot (acquired now if needed)."""
+            return await _acall(self.backend, self.sessions.slot(self.key(), self.profile))
+
+        def slot(self) -> Slot:
+            return _call(self.backend, self.sessions.slot(self.key(), self.profile))
+
+        @property
+        def id(self) -> str:
+            """The slot id, ``"{sandbox_id}_slot_{N}"``."""
+            return self.slot().slot_id
+
+        async def aclose(self) -> int:
+            """Release every slot this backend's sessions hold; return how many."""
+            return await _acall(self.backend, self.sessions.close_all())
+
+        def close(self) -> int:
+            return _call(self.backend, self.sessions.close_all())
+
+        # -- execute --------------------------------------------------------------
+        def execute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
+            """Run ``command`` in the slot's shell; timeout in seconds (0: no limit)."""
+            return _call(self.backend, self._execute(self.key(), command, timeout))
+
+        async def aexecute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:  # noqa: ASYNC109
+            return await _acall(self.backend, self._execute(self.key(), command, timeout))
+
+        async def _execute(self, key: str, command: str, timeout: float | None) -> ExecuteResponse:
+            args: dict[str, Any] = {"command": command}
+            if timeout is not None:
+                if timeout < 0:
+                    raise ValueError(f"timeout must be non-negative, got {timeout}")
+                args["timeout"] = float(timeout) or NO_TIMEOUT_S
+            r = await _run_tool(self.sessions, key, "bash", args, self.profile, self.timeout_s)
+            output, rc = r.output, r.returncode
+            if r.error and r.error != f"exit code {rc}":  # a timeout, a lost sandbox, ...
+                sep = "\n" if output and not output.endswith("\n") else ""
+                output = f"{output}{sep}[{r.error}]"
+            return ExecuteResponse(output=output, exit_code=rc, truncated=bool(r.metadata.get("truncated")))
+
+        # -- files -------------------------------------------------------------------
+        def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+            """Write each ``(absolute path, bytes)``, creating parent directories."""
+            return _call(self.backend, self._upload(self.key(), files))
+
+        async def aupload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+            return await _acall(self.backend, self._upload(self.key(), files))
+
+        def download_files(self, paths: list[str]) -> list[FileDownloadResponse]:
+            """Read each absolute path; errors per file (``file_not_found``, ...)."""
+            return _call(self.backend, self._download(self.key(), paths))
+
+        async def adownload_files(self, paths: list[str]) -> list[FileDownloadResponse]:
+            return await _acall(self.backend, self._download(self.key(), paths))
+
+        async def _upload(self, key: str, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+            errors: dict[int, str] = {i: "invalid_path" for i, (path, _) in enumerate(files)
+                                      if not path.startswith("/") or "\x00" in path}
+            todo = [i for i in range(len(files)) if i not in errors]
+            if todo:
+                slot = await self.sessions.slot(key, self.profile)
+                rel = f".hermes-transfer-{uuid.uuid4().hex}"
+                xfer = f"{slot.workspace_dir}/{rel}"
+                calls: list[tuple[str, dict[str, Any]]] = [
+                    ("write_file", {"path": f"{rel}/{i}", "encoding": "base64",
+                                    "content": base64.b64encode(files[i][1]).decode("ascii")})
+                    for i in todo]
+                script = _UPLOAD_SCRIPT.format(xfer=shlex.quote(xfer), calls="\n".join(
+                    f"put {i} {shlex.quote(files[i][0])}" for i in todo))
+                calls.append(("bash", {"command": script}))
+                results = await self.sessions.execute_many(key, calls, timeout_s=self.timeout_s)
+                writes, moved = results[:-1], results[-1]
+                status = _statuses(moved)
+                for i, written in zip(todo, writes, strict=True):
+                    got = status.get(i)
+                    if got != "ok":
+                        errors[i] = (got if got and got != "transfer_failed"
+                                     else written.error or moved.error or "upload failed")
+            return [FileUploadResponse(path=path, error=errors.get(i)) for i, (path, _) in enumerate(files)]
+
+        async def _download(self, key: str, paths: list[str]) -> list[FileDownloadResponse]:
+            out: dict[int, FileDownloadResponse] = {
+                i: FileDownloadResponse(path=p, content=None, error="invalid_path")
+                for i, p in enumerate(paths) if not p.startswith("/") or "\x00" in p}
+            todo = [i for i in range(len(paths)) if i not in out]
+            if todo:
+                slot = await self.sessions.slot(key, self.profile)
+                rel = f".hermes-transfer-{uuid.uuid4().hex}"
+                xfer = f"{slot.workspace_dir}/{rel}"
+                script = _DOWNLOAD_SCRIPT.format(xfer=shlex.quote(xfer), calls="\n".join(
+                    f"get {i} {shlex.quote(paths[i])}" for i in todo))
+                calls: list[tuple[str, dict[str, Any]]] = [("bash", {"command": script})]
+                calls += [("read_artifact", {"path": f"{rel}/{i}", "encoding": "base64"}) for i in todo]
+                calls.append(("bash", {"command": f"rm -rf -- {shlex.quote(xfer)}"}))
+                results = await self.sessions.execute_many(key, calls, timeout_s=self.timeout_s)
+                status = _statuses(results[0])
+                for i, read in zip(todo, results[1:-1], strict=True):
+                    got = status.get(i)
+                    if got == "ok" and read.success:
+                        data = base64.b64decode(read.metadata.get("content", ""))
+                        out[i] = FileDownloadResponse(path=paths[i], content=data, error=None)
+                    else:
+                        error = got if got and got != "ok" else read.error or results[0].error
+                        out[i] = FileDownloadResponse(path=paths[i], content=None,
+                                                      error=error or "download failed")
+            return [out[i] for i in range(len(paths))]
+
+    SlotSandbox.__module__ = __name__
+    SlotSandbox.__qualname__ = "SlotSandbox"
+    return SlotSandbox
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SlotSandbox":
+        cls = _slot_sandbox_class()
+        globals()["SlotSandbox"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
