@@ -100,9 +100,9 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def descendants(root: int) -> list[int]:
-    """Pids of every live descendant of ``root`` (through /proc/*/stat ppids)."""
-    children: dict[int, list[int]] = {}
+def proc_stats():
+    """``(pid, fields)`` for every process; fields start at the state (``/proc/PID/stat``
+    after the command name)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -111,8 +111,14 @@ def descendants(root: int) -> list[int]:
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
+        yield int(entry), stat[stat.rfind(")") + 2:].split()
+
+
+def descendants(root: int) -> list[int]:
+    """Pids of every live descendant of ``root`` (through /proc/*/stat ppids)."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in proc_stats():
+        children.setdefault(int(fields[1]), []).append(pid)
     out, todo = [], [root]
     while todo:
         for c in children.get(todo.pop(), []):
@@ -195,25 +201,17 @@ def reap_orphans() -> dict[str, list[int]]:
     """Our direct children that are not the agents we started: orphans re-parented to us.
     Zombies among them are reaped; live ones are reported (a leak)."""
     zombies, live = [], []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        f = stat[stat.rfind(")") + 2:].split()
+    for pid, f in proc_stats():
         if int(f[1]) != os.getpid():
             continue
         if f[0] == "Z":
-            zombies.append(int(entry))
+            zombies.append(pid)
             try:
-                os.waitpid(int(entry), os.WNOHANG)
+                os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
         else:
-            live.append(int(entry))
+            live.append(pid)
     return {"zombie": zombies, "live": live}
 
 

@@ -172,7 +172,7 @@ class SandboxPool:
             recs.append(_Record(sb, i, f"{sandbox_id}_slot_{i}", ws))
         self._sandboxes[sandbox_id] = sb
         self._records[sandbox_id] = recs
-        for rec in recs:
+        for rec in reversed(recs):  # slot_0 is taken first
             self._offer(rec)
         return sb
 
@@ -255,8 +255,10 @@ class SandboxPool:
         self._free.append(rec)
 
     def _take_free(self) -> _Record | None:
+        # Last released, first reused: it has a warm shell and keeps busy sandboxes busy,
+        # so idle ones can be stopped.
         while self._free:
-            rec = self._free.popleft()
+            rec = self._free.pop()
             if not rec.sandbox.dead and rec.sandbox.sandbox_id in self._sandboxes:
                 return rec
         return None
