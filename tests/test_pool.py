@@ -190,6 +190,18 @@ async def test_released_slot_is_clean_for_the_next_holder(make_backend, reset_wo
     assert "sleep 60" not in procs
 
 
+@pytest.mark.parametrize("reset_workspace", [True, False])
+async def test_one_command_is_enough_to_get_a_new_shell(make_backend, reset_workspace):
+    # The shell a slot gets after a reset is started ahead of time; a holder that ran a
+    # single command in a fresh shell must not hand that shell to the next holder.
+    backend = await make_backend(min_sandboxes=1, max_sandboxes=1, slots_per_sandbox=1)
+    for holder in ("first", "second", "third"):
+        slot = await backend.acquire(holder)
+        r = await bash(backend, slot, 'echo "${LEFT-unset}"; pwd; export LEFT=over; cd /tmp')
+        assert r.output.splitlines() == ["unset", slot.workspace_dir], holder
+        await backend.release(slot, reset_workspace=reset_workspace)
+
+
 async def test_old_slot_object_is_useless_after_release(make_backend):
     backend = await make_backend(min_sandboxes=1, max_sandboxes=1, slots_per_sandbox=1)
     first = await backend.acquire("first")

@@ -197,8 +197,10 @@ class Cgroups:
 
     def kill_slot(self, slot):
         """SIGKILL every process in the slot's cgroup."""
+        me = os.getpid()
         for pid in self.slot_pids(slot):
-            _kill(pid, signal.SIGKILL)
+            if pid != me:
+                _kill(pid, signal.SIGKILL)
 
     def remove_slot(self, slot):
         for d in self._dirs(slot).values():
@@ -343,6 +345,20 @@ def process_clock():
 def started_after(pid, start, clock):
     ticks, last = clock
     return start > ticks or (start == ticks and pid > last)
+
+
+def children_of(parent):
+    """Host pids whose parent is ``parent``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/stat" % entry) as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == parent:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
 
 
 def ns_processes(ns_link=None, session=None):

@@ -111,17 +111,24 @@ class SlotRuntime:
         self.pump()
 
     async def reset(self):
-        await self.shell.stop()
+        """Kill what ran in the slot and empty its workspace.
+
+        A shell that never ran a command (one pre-started by the last reset) is
+        already fresh and is kept.
+        """
+        shell = self.shell
+        if shell.used or not shell.alive:
+            await shell.stop()
+            if self.agent.cgroups:
+                self.agent.cgroups.kill_slot(self.index)
+            self.close_ctl()
+            for name in os.listdir(self.ctl_host):
+                try:
+                    os.unlink(os.path.join(self.ctl_host, name))
+                except OSError:
+                    pass
         self.background_sids = []
-        self.shell.resume_dir = None
-        if self.agent.cgroups:
-            self.agent.cgroups.kill_slot(self.index)
-        self.close_ctl()
-        for name in os.listdir(self.ctl_host):
-            try:
-                os.unlink(os.path.join(self.ctl_host, name))
-            except OSError:
-                pass
+        shell.resume_dir = None
         self.workspace.wipe()
 
 
@@ -277,7 +284,7 @@ class Agent:
             slot.shell.cancel()
             await slot.idle.wait()
         slot.set_busy(mid)
-        had_shell = slot.shell.proc is not None
+        had_shell = slot.shell.used
         try:
             await slot.reset()
         except Exception as exc:

@@ -21,6 +21,7 @@ command gets a fresh shell in the directory the old one was in.
 
 import asyncio
 import os
+import select
 import signal
 import subprocess
 import time
@@ -151,6 +152,7 @@ class Shell:
         self.eof = None
         self.resume_dir = None
         self.runner = self.stdin_runner = None
+        self.used = False
         self.cmd_started = (0, 0)
         self.on_done = None
         self.timer = None
@@ -203,6 +205,7 @@ class Shell:
         self.init_pid = None
         self.ns_link = None
         self.exit_status = None
+        self.used = False
         self.eof = self.loop.create_future()
         self.loop.add_reader(out_r, self._on_output)
         ctl = self.slot.ctl_path
@@ -345,16 +348,30 @@ class Shell:
         if self.proc is None:
             return
         init = self._init()
+        if init is None and self.info_fd is not None:
+            # Just spawned: bwrap writes the init's pid within milliseconds.
+            select.select([self.info_fd], [], [], 0.2)
+            init = self._init()
         if init:
             isolation._kill(init, signal.SIGKILL)
         else:
-            isolation._kill(self.proc.pid, signal.SIGKILL)
+            self._kill_hard()
         if slot.agent.isolation != "bwrap":
             for pid in self.slot_processes():
                 isolation._kill(pid, signal.SIGKILL)
             for sid in slot.background_sids:
                 for pid, _, _, _ in isolation.ns_processes(session=sid):
                     isolation._kill(pid, signal.SIGKILL)
+
+    def _kill_hard(self):
+        """Kill the outer bwrap, its children and the slot's cgroup (when the init is unknown
+        or does not go away)."""
+        outer = self.proc.pid
+        isolation._kill(outer, signal.SIGKILL)
+        for pid in isolation.children_of(outer):
+            isolation._kill(pid, signal.SIGKILL)
+        if self.slot.agent.cgroups:
+            self.slot.agent.cgroups.kill_slot(self.slot.index)
 
     async def stop(self):
         """Kill everything and wait (bounded) until the shell is reaped."""
@@ -365,7 +382,7 @@ class Shell:
             try:
                 await asyncio.wait_for(asyncio.shield(self.eof), 2.0)
             except asyncio.TimeoutError:
-                isolation._kill(self.proc.pid, signal.SIGKILL)
+                self._kill_hard()
                 try:
                     await asyncio.wait_for(asyncio.shield(self.eof), 3.0)
                 except asyncio.TimeoutError:
@@ -390,6 +407,7 @@ class Shell:
             self.proc = None
         if self.proc is None:
             self.spawn()
+        self.used = True  # from now on a reset must replace this shell
         nonce = os.urandom(4).hex()  # only this slot's own output could forge it
         self.cmd_started = isolation.process_clock()
         collector = OutputCollector(nonce.encode(), limit, self.loop)
