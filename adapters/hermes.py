@@ -22,8 +22,8 @@ Environment (read when the process-wide manager is first built, and again after
 :func:`cleanup_all_environments`):
 
 - ``TERMINAL_ENV``: ``local`` (default; bubblewrap sandboxes on this machine) or
-  ``modal`` (the ``modal`` driver; until it is installed every call returns an
-  error naming the ``hermes-modal-tool[modal]`` extra).
+  ``modal`` (the ``modal`` driver; until it ships every call returns an error
+  saying so).
 - ``TERMINAL_MODAL_PROFILES_FILE``: a ``modal_profiles.yaml``; ``profile=`` picks
   one of its profiles. ``TERMINAL_MODAL_IMAGE``, ``TERMINAL_MODAL_APP_NAME`` and
   every other ``TERMINAL_MODAL_{KEY}`` set that key for every profile (see

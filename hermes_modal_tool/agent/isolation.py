@@ -207,6 +207,7 @@ class Cgroups:
             _rmdir(d)
 
     def remove_all(self):
+        """Remove the sandbox's cgroups; return True when none is left."""
         for base in self._bases.values():
             if os.path.isdir(base):
                 for entry in os.listdir(base):
@@ -214,6 +215,7 @@ class Cgroups:
                         _rmdir(os.path.join(base, entry))
             _rmdir(base)
             _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
+        return not any(os.path.isdir(base) for base in self._bases.values())
 
     def memory_peak_exceeded(self, slot):
         """True if the slot's memory cgroup has hit its limit (an OOM kill is likely)."""

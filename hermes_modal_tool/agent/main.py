@@ -428,13 +428,17 @@ class Agent:
                 task.cancel()
         for slot in self.slots.values():
             slot.shell.kill()
-        for slot in self.slots.values():
-            await slot.shell.stop()
+        await asyncio.gather(*(slot.shell.stop() for slot in self.slots.values()),
+                             return_exceptions=True)
         if self.cgroups:
-            for slot in self.slots.values():
-                self.cgroups.kill_slot(slot.index)
-                self.cgroups.remove_slot(slot.index)
-            self.cgroups.remove_all()
+            # A cgroup can be removed once its last process is gone; dying ones take a moment.
+            for _ in range(40):
+                for slot in self.slots.values():
+                    self.cgroups.kill_slot(slot.index)
+                    self.cgroups.remove_slot(slot.index)
+                if self.cgroups.remove_all():
+                    break
+                await asyncio.sleep(0.05)
         if self.config and self.config.get("remove_state", True):
             shutil.rmtree(self.ctl_root, ignore_errors=True)
             shutil.rmtree(self.state_dir, ignore_errors=True)

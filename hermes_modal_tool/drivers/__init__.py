@@ -19,11 +19,16 @@ def make_driver(name: str, **options) -> Driver:
 
         return LocalDriver(**options)
     if name == "modal":
+        from importlib.util import find_spec
+
+        if find_spec(f"{__name__}.modal") is None:
+            raise ConfigError(
+                "driver 'modal' is not part of this version of hermes-modal-tool yet; "
+                "use driver='local' (e.g. ModalSandboxConfig(..., driver='local'))")
         try:
             from .modal import ModalDriver  # type: ignore[import-not-found]
         except ImportError as exc:
-            raise ConfigError(
-                "driver 'modal' is not available in this installation "
-                f"({exc}); install 'hermes-modal-tool[modal]' or use driver='local'") from None
+            raise ConfigError(f"driver 'modal' needs the Modal SDK ({exc}); "
+                              "install 'hermes-modal-tool[modal]' or use driver='local'") from None
         return ModalDriver(**options)
     raise ConfigError(f"unknown driver {name!r}; known drivers: local, modal")

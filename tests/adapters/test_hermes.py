@@ -211,7 +211,7 @@ def test_configuration_errors_come_back_as_json(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("TERMINAL_ENV", "modal")
     assert check_terminal_requirements() is False
     out = run("echo hi")
-    assert out["exit_code"] == -1 and "hermes-modal-tool[modal]" in out["error"]
+    assert out["exit_code"] == -1 and "driver 'modal'" in out["error"]
     cleanup_all_environments()
 
     monkeypatch.setenv("TERMINAL_ENV", "docker")
