@@ -146,10 +146,17 @@ def _plain(obj: Any) -> Any:
 
 def _chat_calls(message: Any) -> list[_Call]:
     calls = []
-    for raw in (message or {}).get("tool_calls") or []:
+    raw_calls = (message or {}).get("tool_calls") or []
+    if not isinstance(raw_calls, Sequence) or isinstance(raw_calls, (str, bytes)):
+        raise UsageError(f"tool_calls must be a list of tool calls, got {raw_calls!r:.80}")
+    for raw in raw_calls:
         tc = _plain(raw)
+        if not isinstance(tc, Mapping):
+            raise UsageError(f"a tool call must be an object with id/type/function, got {tc!r:.80}")
         if tc.get("type", "function") == "function" and tc.get("function") is not None:
             fn = _plain(tc["function"])
+            if not isinstance(fn, Mapping):
+                raise UsageError(f"a tool call's function must be an object, got {fn!r:.80}")
             calls.append(_Call(str(tc.get("id")), str(fn.get("name")), fn.get("arguments")))
         else:  # a custom (free-form) tool call still needs an answer in chat
             name = (_plain(tc.get("custom")) or {}).get("name", "?")

@@ -57,6 +57,8 @@ class ToolBackend:
     ) -> None:
         if config is not None and profiles is not None:
             raise UsageError("give either config or profiles, not both")
+        if profiles is not None and not isinstance(profiles, Mapping):
+            raise UsageError(f"profiles must be a mapping of name -> SandboxConfig, got {profiles!r:.80}")
         if profiles is None:
             config = config if config is not None else self._default_config()
             if not isinstance(config, SandboxConfig):
@@ -140,6 +142,9 @@ class ToolBackend:
             ConfigError: an unknown profile name, or a secret is missing.
         """
         self._check_open()
+        if isinstance(profiles_to_start, str):
+            raise UsageError(f"profiles_to_start must be a list of profile names, got the string "
+                             f"{profiles_to_start!r}; use [{profiles_to_start!r}]")
         names = list(profiles_to_start or [self.default_profile])
         for name in names:
             self.profile(name)
@@ -227,6 +232,8 @@ class ToolBackend:
         self._check_open()
         if trajectory_id is not None and not isinstance(trajectory_id, str):
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
+        if profile is not None and not isinstance(profile, str):
+            raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
         pool = await self._pool(self.profile(profile).name)
         return await pool.acquire(trajectory_id)
 

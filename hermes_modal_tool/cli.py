@@ -34,7 +34,7 @@ from . import __version__
 from .backend import ToolBackend
 from .config import SandboxConfig, load_profiles
 from .errors import ConfigError, HermesModalToolError
-from .protocol import TIMEOUT_EXIT_CODE, TOOL_ARGS, TOOLS
+from .protocol import MAX_TIMEOUT_S, TIMEOUT_EXIT_CODE, TOOL_ARGS, TOOLS, check_args
 from .slots import ExecutionResult
 
 OUTPUT_CAP = 2000
@@ -49,20 +49,13 @@ _TYPE_WORDS = {"str": "a string", "number": "a positive number", "bool": "true o
 
 
 def _type_ok(kind: str, value: Any) -> bool:
+    """Type check for ``expect`` values (tool arguments use protocol.check_args)."""
     if kind == "str":
         return isinstance(value, str)
     if kind == "bool":
         return isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
     if kind == "code":
         return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    if kind == "env":
-        return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
-    if kind == "encoding":
-        return value in ("text", "base64")
     raise AssertionError(kind)
 
 
@@ -103,16 +96,9 @@ def _check_call(call: Any, i: int) -> Call:
     args = call.get("args", {})
     if not isinstance(args, dict):
         raise ValueError(f"{where}: 'args' must be an object, got {type(args).__name__}")
-    spec = TOOL_ARGS[tool]
-    for key, value in args.items():
-        if key not in spec:
-            raise ValueError(f"{where}: {tool} has no argument {key!r}; it takes: {', '.join(spec)}")
-        kind, required = spec[key]
-        if not (value is None and not required) and not _type_ok(kind, value):
-            raise ValueError(f"{where}: {tool} argument {key!r} must be {_TYPE_WORDS[kind]}, got {value!r:.80}")
-    missing = [k for k, (_, required) in spec.items() if required and k not in args]
-    if missing:
-        raise ValueError(f"{where}: {tool} needs argument(s) {', '.join(map(repr, missing))}")
+    problem = check_args(tool, args)  # the same check the agent makes
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     expect = call.get("expect")
     if expect is None:
         expect = {"success": True}
@@ -131,7 +117,9 @@ def parse_batch(path: str) -> list[Trajectory]:
     """Read and validate a batch file; raise InputError naming the file and line."""
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            lines = f.read().split("\n")  # JSONL lines end with \n only (not U+2028 etc.)
+        if lines and lines[-1] == "":
+            lines.pop()
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
@@ -437,7 +425,7 @@ def main() -> None:
 @click.option("--profile", help="Profile for trajectories that name none (default: the file's default).")
 @click.option("--slots-per-sandbox", type=click.IntRange(1, 4096), help="Override for every profile [16].")
 @click.option("--max-sandboxes", type=click.IntRange(1), help="Override for every profile [8].")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True),
+@click.option("--timeout", type=click.FloatRange(0, MAX_TIMEOUT_S, min_open=True),
               help="Per-call timeout in seconds (a bash call's own 'timeout' wins).")
 @click.option("--no-progress", is_flag=True, help="No progress bar or progress lines.")
 def batch(file: str, output: str | None, profiles_file: str | None, profile: str | None,
@@ -451,6 +439,8 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
     a given "expect" checks only its keys. Exits 0 when every expectation is met,
     1 otherwise, 2 on bad input.
     """
+    if timeout is not None and not math.isfinite(timeout):  # FloatRange lets NaN through
+        raise InputError(f"--timeout must be a finite number of seconds, got {timeout!r}")
     trajectories = parse_batch(file)
     profiles, default = make_profiles(
         profiles_file, profile, defaults={"slots_per_sandbox": 16, "min_sandboxes": 1, "max_sandboxes": 8},
@@ -490,7 +480,7 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
 @click.option("--profiles-file", type=click.Path(dir_okay=False),
               help="A modal_profiles.yaml (default: one local profile).")
 @click.option("--profile", help="Profile to run in (default: the file's default).")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True),
+@click.option("--timeout", type=click.FloatRange(0, MAX_TIMEOUT_S, min_open=True),
               help="Seconds before the command is killed (exit code 124) [profile's execution_timeout_s].")
 @click.option("--stdin", "use_stdin", is_flag=True, help="Pass this process's stdin to the command.")
 @click.argument("command", nargs=-1, required=True)
@@ -509,6 +499,9 @@ def exec_(profiles_file: str | None, profile: str | None, timeout: float | None,
     profiles[name] = profiles[name].model_copy(update={"min_sandboxes": min(profiles[name].min_sandboxes, 1)})
     args: dict[str, Any] = {"command": line}
     if timeout is not None:
+        if not math.isfinite(timeout):  # FloatRange lets NaN through
+            raise click.BadParameter(f"must be a finite number of seconds, got {timeout!r}",
+                                     param_hint="'--timeout'")
         args["timeout"] = timeout
     if use_stdin:
         args["stdin"] = click.get_text_stream("stdin").read()

@@ -51,6 +51,13 @@ class SandboxConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError(f"{type(self).__name__}: profile {self.name!r}: "
+                              + "; ".join(_describe(exc)), errors=exc.errors()) from None
+
     def __init__(self, **data: Any) -> None:
         """Validate the fields; raise ConfigError (naming each bad key) instead of pydantic's error."""
         try:
@@ -150,7 +157,9 @@ def _normalise(data: Mapping[str, Any], where: str, profile: str) -> dict[str, A
             raise ConfigError(f"{where}: profile {profile!r}: key {key!r} is not a string")
         field = ALIASES.get(key, key)
         if field in out:
-            raise ConfigError(f"{where}: profile {profile!r}: key {key!r} repeats {field!r}; give one")
+            other = next(k for k in data if k != key and ALIASES.get(k, k) == field)
+            raise ConfigError(f"{where}: profile {profile!r}: keys {other!r} and {key!r} both set "
+                              f"{field}; give one")
         out[field] = value
     return out
 
@@ -183,7 +192,7 @@ def _describe(exc: ValidationError | ConfigError, keys: Mapping[str, str] | None
         field = str(loc[0]) if loc else ""
         shown = keys.get(field, ".".join(str(p) for p in loc))
         given = err.get("input")
-        got = f" (got {given!r})" if err["type"] != "missing" and not isinstance(given, dict) else ""
+        got = f" (got {given!r:.80})" if err["type"] != "missing" else ""
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             problems.append(f"key {shown!r}: unknown key")
@@ -304,6 +313,24 @@ def load_profiles(
     return profiles, default
 
 
+def _check_duplicate_keys(node: Any, where: str, path: tuple[str, ...] = ()) -> None:
+    """Refuse a key given twice in one mapping (YAML itself would silently keep the last)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                profile = f"profile {path[1]!r}: " if len(path) >= 2 and path[0] == "profiles" else ""
+                raise ConfigError(f"{where}: {profile}key {key!r} appears twice "
+                                  f"(lines {seen[key]} and {line})")
+            seen[key] = line
+            _check_duplicate_keys(value_node, where, (*path, key))
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_duplicate_keys(item, where, path)
+
+
 def read_profiles_file(path: str | os.PathLike[str]) -> ProfilesFile:
     """Parse a profiles YAML file's top level (profiles are validated by load_profiles)."""
     p = Path(path)
@@ -311,9 +338,14 @@ def read_profiles_file(path: str | os.PathLike[str]) -> ProfilesFile:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{p}: profiles file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: profiles file is not UTF-8 text (byte {exc.start})") from None
+    except ValueError as exc:  # e.g. a NUL in the path
+        raise ConfigError(f"{str(p)!r}: not a usable path: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read profiles file: {exc.strerror}") from None
     try:
+        _check_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), str(p))
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -329,7 +361,7 @@ def read_profiles_file(path: str | os.PathLike[str]) -> ProfilesFile:
         err = exc.errors()[0]
         key = ".".join(str(x) for x in err["loc"])
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        raise ConfigError(f"{p}: key {key!r}: {msg}") from None
+        raise ConfigError(f"{p}: key {key!r}: {msg} (got {err.get('input')!r:.80})") from None
     if not parsed.profiles:
         raise ConfigError(f"{p}: 'profiles:' defines no profile")
     return parsed

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from .errors import (
     SandboxError,
     UsageError,
 )
+from .protocol import ProtocolError
 from .sandbox import HOST_GRACE_S, Sandbox
 from .slots import ExecutionResult, Slot, SlotState
 
@@ -68,6 +71,7 @@ class SandboxPool:
         self._waiters: deque[asyncio.Future] = deque()
         self._starting = 0
         self._tasks: set[asyncio.Task] = set()
+        self._closers: set[asyncio.Task] = set()
         self._seq = itertools.count()
         self._reaper: asyncio.Task | None = None
         self._started = False
@@ -104,7 +108,7 @@ class SandboxPool:
 
     async def stop(self) -> None:
         """Terminate every sandbox this pool started; fail waiters. Idempotent."""
-        if self._closed and not self._sandboxes and not self._tasks:
+        if self._closed and not self._sandboxes and not self._tasks and not self._closers:
             return
         self._closed = True
         while self._waiters:
@@ -126,13 +130,17 @@ class SandboxPool:
                     rec.holder.error = "the backend was stopped"
                 rec.lease += 1
         self._records.clear()
-        await asyncio.gather(*(sb.close() for sb in sandboxes), return_exceptions=True)
+        await asyncio.gather(*(sb.close() for sb in sandboxes), *list(self._closers),
+                             return_exceptions=True)
         self.stats["sandboxes_stopped"] += len(sandboxes)
 
-    def _spawn(self, coro, name: str) -> asyncio.Task:
+    def _spawn(self, coro, name: str, closing: bool = False) -> asyncio.Task:
+        """Run ``coro`` as a task the pool owns. ``closing`` tasks (stopping a sandbox) are
+        awaited, not cancelled, by :meth:`stop`, so nothing is left half-stopped."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        owner = self._closers if closing else self._tasks
+        owner.add(task)
+        task.add_done_callback(owner.discard)
         return task
 
     # -- sandboxes ---------------------------------------------------------------
@@ -198,7 +206,7 @@ class SandboxPool:
                 rec.holder.state = SlotState.ERROR
                 rec.holder.error = self.last_error
         if not self._closed:
-            self._spawn(sb.close(), f"hermes-modal-tool close {sb.sandbox_id}")
+            self._spawn(sb.close(), f"hermes-modal-tool close {sb.sandbox_id}", closing=True)
             self._grow()
 
     def _live(self) -> int:
@@ -241,7 +249,7 @@ class SandboxPool:
         for rec in recs:
             rec.lease += 1
         self.stats["sandboxes_stopped"] += 1
-        self._spawn(sb.close(), f"hermes-modal-tool retire {sb.sandbox_id}")
+        self._spawn(sb.close(), f"hermes-modal-tool retire {sb.sandbox_id}", closing=True)
 
     # -- slots ---------------------------------------------------------------------
     def _offer(self, rec: _Record) -> None:
@@ -384,12 +392,18 @@ class SandboxPool:
         wait = timeout
         own = args.get("timeout") if tool == "bash" else None
         if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
-            wait = float(own)
+            wait = own if own <= MAX_CALL_TIMEOUT_S else math.inf  # ints beyond float range too
         if wait > MAX_CALL_TIMEOUT_S:
             return ExecutionResult.failure(
-                f"timeout {wait:g}s is longer than the {MAX_CALL_TIMEOUT_S:g}s maximum", slot.slot_id)
-        mid, fut = sb.submit({"op": "call", "slot": rec.index, "tool": tool, "args": args,
-                              "timeout": timeout}, wait + HOST_GRACE_S, flush)
+                f"timeout {own if own is not None else wait!r:.40} s is longer than the "
+                f"{MAX_CALL_TIMEOUT_S:g} s maximum", slot.slot_id, returncode=None)
+        try:
+            mid, fut = sb.submit({"op": "call", "slot": rec.index, "tool": tool, "args": args,
+                                  "timeout": timeout}, float(wait) + HOST_GRACE_S, flush)
+        except ProtocolError as exc:
+            bad = [k for k, v in args.items() if not _json_ok(v)]
+            named = f"argument {', '.join(map(repr, bad))} " if bad else "arguments "
+            return ExecutionResult.failure(f"{tool} {named}cannot be sent as JSON: {exc}", slot.slot_id)
         rec.inflight += 1
         slot.state = SlotState.EXECUTING
         self.stats["calls"] += 1
@@ -452,6 +466,14 @@ class SandboxPool:
             **self.stats,
             "last_error": self.last_error,
         }
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def _swallow(task: asyncio.Task) -> None:

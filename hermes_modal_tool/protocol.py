@@ -65,6 +65,75 @@ TOOL_ARGS = {
                           "max_bytes": ("int", False), "max_entries": ("int", False)},
 }
 
+#: Longest timeout a call may ask for (seconds).
+MAX_TIMEOUT_S = 86400.0
+_KIND_WORDS = {
+    "str": "a string", "number": "a positive number of seconds (at most %d)" % MAX_TIMEOUT_S,
+    "int": "a whole number >= 0", "bool": "true or false",
+    "encoding": "'text' or 'base64'", "env": "an object mapping variable names to strings",
+}
+
+
+def check_args(tool, args):
+    """Check a tool call's arguments against :data:`TOOL_ARGS`.
+
+    Returns None when they are fine, else a message naming the bad argument and its
+    value. Both the host (CLI, before anything starts) and the agent use it.
+    """
+    spec = TOOL_ARGS.get(tool)
+    if spec is None:
+        return "unknown tool %r; known tools: %s" % (tool, ", ".join(TOOLS))
+    if not isinstance(args, dict):
+        return "%s arguments must be an object, got %s" % (tool, type(args).__name__)
+    extra = sorted(str(k) for k in args if k not in spec)
+    if extra:
+        return "%s has no argument %s; it takes: %s" % (
+            tool, ", ".join(repr(k) for k in extra), ", ".join(spec))
+    for key, (kind, required) in spec.items():
+        if key not in args or (args[key] is None and not required):
+            if required:
+                return "missing required argument %r of %s" % (key, tool)
+            continue
+        value = args[key]
+        problem = _check_kind(kind, value)
+        if problem is None and isinstance(value, str) and "\x00" in value and key != "content":
+            problem = "contains a NUL byte"
+        if problem is not None:
+            shown = repr(value)
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            return "%s argument %r must be %s, got %s%s" % (
+                tool, key, _KIND_WORDS[kind], shown, "" if problem is True else " (%s)" % problem)
+    return None
+
+
+def _check_kind(kind, value):
+    """None if ``value`` is of ``kind``; True or a reason otherwise."""
+    if kind == "str":
+        return None if isinstance(value, str) else True
+    if kind == "bool":
+        return None if isinstance(value, bool) else True
+    if kind == "int":
+        return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else True
+    if kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return True
+        return None if 0 < value <= MAX_TIMEOUT_S else True  # NaN fails both comparisons
+    if kind == "encoding":
+        return None if value in ("text", "base64") and isinstance(value, str) else True
+    if kind == "env":
+        if not isinstance(value, dict):
+            return True
+        for name, val in value.items():
+            if not (isinstance(name, str) and name and (name[0].isalpha() or name[0] == "_")
+                    and all(c.isalnum() or c == "_" for c in name) and name.isascii()):
+                return "%r is not a variable name" % (name,)
+            if not isinstance(val, str) or "\x00" in val:
+                return "the value of %s is not a string without NUL bytes" % name
+        return None
+    raise ValueError(kind)
+
+
 #: Keys of a ``call`` result.
 RESULT_KEYS = ("output", "error", "returncode", "timed_out", "truncated", "duration_s", "data")
 
@@ -80,8 +149,16 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 def encode(message):
-    """Return the frame (bytes) for one message (a JSON-serialisable dict)."""
-    payload = _ENCODER.encode(message).encode("utf-8", "surrogatepass")
+    """Return the frame (bytes) for one message (a JSON-serialisable dict).
+
+    Raises ProtocolError for anything else (not a dict, or values JSON cannot hold).
+    """
+    if not isinstance(message, dict):
+        raise ProtocolError("a message must be a JSON object, got %s" % type(message).__name__)
+    try:
+        payload = _ENCODER.encode(message).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ProtocolError("message cannot be sent as JSON: %s" % exc) from None
     if len(payload) > MAX_FRAME_BYTES:
         raise ProtocolError(
             "message of %d bytes exceeds the %d byte frame limit" % (len(payload), MAX_FRAME_BYTES)
@@ -93,7 +170,7 @@ def decode_payload(payload):
     """Decode one frame's payload (bytes) into a dict; raise ProtocolError if it is not one."""
     try:
         message = json.loads(payload.decode("utf-8", "surrogatepass"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError("undecodable frame: %s" % exc) from None
     if not isinstance(message, dict):
         raise ProtocolError("frame is not a JSON object: %r" % (type(message).__name__,))

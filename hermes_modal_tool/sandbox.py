@@ -20,8 +20,9 @@ from .errors import SandboxDiedError, SandboxError, SandboxStartError
 
 log = logging.getLogger("hermes_modal_tool")
 
-#: Extra seconds the host waits past a call's own timeout before giving up on the agent.
-HOST_GRACE_S = 10.0
+#: Extra seconds the host waits past a call's own timeout before giving up on the agent
+#: (generous: an overloaded machine delays the agent's kill-and-report procedure).
+HOST_GRACE_S = 30.0
 INIT_TIMEOUT_S = 60.0
 
 
@@ -131,8 +132,9 @@ class Sandbox:
             return 0, fut
         mid = next(self._ids)
         message["id"] = mid
+        frame = protocol.encode(message)  # ProtocolError before anything is registered
         self._pending[mid] = fut
-        self._outbox.append(protocol.encode(message))
+        self._outbox.append(frame)
         if flush:
             self.flush()
         timer = loop.call_later(wait_s, self._expire, mid, wait_s)

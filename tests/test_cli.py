@@ -78,7 +78,7 @@ def test_batch_unmet_expectation_exits_1_and_says_why(tmp_path: Path) -> None:
     (['{"id": "a"}'], "line 1 (id 'a'): missing 'calls'"),
     (['{"id": "a", "calls": [{"tool": "shell", "args": {"command": "ls"}}]}'], "line 1 (id 'a'): calls[0]: tool 'shell' is not one of"),
     (['{"id": "a", "calls": [{"tool": "bash", "args": {"cmd": "ls"}}]}'], "line 1 (id 'a'): calls[0]: bash has no argument 'cmd'"),
-    (['{"id": "a", "calls": [{"tool": "write_file", "args": {"path": "x"}}]}'], "line 1 (id 'a'): calls[0]: write_file needs argument(s) 'content'"),
+    (['{"id": "a", "calls": [{"tool": "write_file", "args": {"path": "x"}}]}'], "line 1 (id 'a'): calls[0]: missing required argument 'content' of write_file"),
     (['{"id": "a", "calls": [{"tool": "bash", "args": {"command": "ls"}, "expect": {"rc": 0}}]}'],
      "line 1 (id 'a'): calls[0]: expect has no key 'rc'"),
     (['{"id": "a", "calls": []}', "", '{"id": "a", "calls": []}'], "line 3 (id 'a'): id 'a' repeats line 1"),

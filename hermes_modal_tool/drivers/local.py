@@ -143,7 +143,12 @@ class LocalHandle(SandboxHandle):
         # The agent removes its own state; after a kill -9 we do.
         for path in self._cleanup:
             await _rmtree(path)
-        _remove_cgroups(self._cgroup)
+        # After a crash the slots' processes may still be exiting: retry until the
+        # cgroups can be removed (bounded).
+        for _ in range(50):
+            if _remove_cgroups(self._cgroup):
+                break
+            await asyncio.sleep(0.05)
         try:
             self._stderr_path.unlink()
         except OSError:
@@ -194,8 +199,11 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
-def _remove_cgroups(name: str) -> None:
-    """Kill and remove cgroups the agent made for this sandbox (after a crash)."""
+def _remove_cgroups(name: str) -> bool:
+    """Kill and remove cgroups the agent made for this sandbox (after a crash).
+
+    Returns True when none of them is left.
+    """
     roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / name
              for c in ("memory", "pids", "cpu")]
     roots += [Path("/sys/fs/cgroup/unified") / "hermes-modal-tool" / name]
@@ -216,6 +224,7 @@ def _remove_cgroups(name: str) -> None:
                 sub.rmdir()
             except OSError:
                 pass
+    return not any(root.is_dir() for root in roots)
 
 
 class LocalDriver(Driver):
