@@ -14,10 +14,14 @@ out).
 """
 
 import base64
+import errno
 import os
 import stat
 
 MAX_READ_BYTES = 64 * 1024 * 1024
+# An archive is built in the agent's memory and sent in one frame: cap it even when
+# the caller gives no max_bytes (a sparse 100 GB file must not exhaust the agent).
+MAX_ARCHIVE_BYTES = 128 * 1024 * 1024
 MAX_LINKS = 40
 
 
@@ -176,18 +180,32 @@ class Workspace:
         try:
             if name is None:
                 raise FileToolError("%s is a directory" % shown)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+            # O_NONBLOCK: opening a FIFO the slot made must not block the whole agent
+            # (it fails with ENXIO when nothing reads it; it is refused below anyway).
+            # No O_TRUNC: a file is truncated only after it passed the owner checks.
+            flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if append else 0)
+            created = True
             try:
-                fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+                try:
+                    fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
+                except FileExistsError:
+                    created = False
+                    fd = os.open(name, flags, dir_fd=dir_fd)
             except IsADirectoryError:
                 raise FileToolError("%s is a directory" % shown) from None
             except OSError as exc:
+                if exc.errno == errno.ENXIO:  # a FIFO (nothing reads it)
+                    raise FileToolError("%s is not a regular file" % shown) from None
                 raise FileToolError("cannot write %s: %s" % (shown, exc.strerror)) from None
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise FileToolError("%s is not a regular file" % shown)
-                self._check_owner_or_new(st, shown)
+                if not created:
+                    self._check_owner(st, shown)
+                os.set_blocking(fd, True)
+                if not append:
+                    os.ftruncate(fd, 0)
                 if self.uid is not None:
                     os.fchown(fd, self.uid, self.gid)
                 view = memoryview(data)
@@ -198,13 +216,6 @@ class Workspace:
         finally:
             os.close(dir_fd)
         return shown
-
-    def _check_owner_or_new(self, st, shown):
-        # A file the agent just created is owned by the agent (root) until fchown.
-        if self.uid is not None and st.st_uid not in (self.uid, os.geteuid()):
-            raise FileToolError("%s is not owned by this slot" % shown)
-        if self.uid is not None and st.st_uid == os.geteuid() and st.st_nlink > 1:
-            raise FileToolError("%s has other hard links; refusing to write through it" % shown)
 
     def list_dir(self, path=".", recursive=False, max_entries=1000):
         """Return ``(entries, truncated)``; each entry is ``{path, type, size}``."""
@@ -266,11 +277,16 @@ class Workspace:
         buf = io.BytesIO()
         base = shown[len(self.path):].lstrip("/")
         total = [0]
+        cap = min(max_bytes or MAX_ARCHIVE_BYTES, MAX_ARCHIVE_BYTES)
 
         def add_bytes(n):
             total[0] += n
-            if max_bytes and total[0] > max_bytes:
-                raise FileToolError("archive of %s exceeds max_bytes=%d" % (shown, max_bytes))
+            if total[0] > cap:
+                if max_bytes and max_bytes <= MAX_ARCHIVE_BYTES:
+                    raise FileToolError("archive of %s exceeds max_bytes=%d" % (shown, max_bytes))
+                raise FileToolError("archive of %s exceeds the %d byte archive limit; archive "
+                                    "a subdirectory or read files one by one"
+                                    % (shown, MAX_ARCHIVE_BYTES))
 
         if fmt == "zip":
             zf = zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED)
@@ -283,7 +299,7 @@ class Workspace:
                 if entry["type"] == "file":
                     fh, st, _ = self.open_read(full)
                     with fh:
-                        data = fh.read()
+                        data = fh.read(cap - total[0] + 1)  # one byte over: the cap is hit
                     add_bytes(len(data))
                     if fmt == "zip":
                         zf.writestr(rel, data)
@@ -315,9 +331,9 @@ class Workspace:
             else:
                 tf.close()
         data = buf.getvalue()
-        if max_bytes and len(data) > max_bytes:
+        if len(data) > cap:
             raise FileToolError("archive of %s is %d bytes, over max_bytes=%d"
-                                % (shown, len(data), max_bytes))
+                                % (shown, len(data), cap))
         return data, len(entries), shown
 
     def wipe(self):
@@ -331,42 +347,66 @@ class Workspace:
 
 
 def _rmtree_contents(path):
+    """Delete everything inside ``path`` (not following links), however deep."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return
-    try:
-        _rm_in(fd)
-    finally:
-        os.close(fd)
+    _rm_in(fd)
 
 
-def _rm_in(fd):
+def remove_tree(path):
+    """Delete ``path`` and everything in it (iterative: no recursion limit)."""
+    _rmtree_contents(path)
     try:
-        os.fchmod(fd, 0o700)
-    except OSError:
+        os.rmdir(path)
+    except FileNotFoundError:
         pass
-    for name in os.listdir(fd):
+    except OSError:
         try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISDIR(st.st_mode):
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _rm_in(top_fd):
+    """Empty the directory open at ``top_fd`` (and close it), with an explicit stack."""
+    stack = [(top_fd, None)]  # (open dir fd, its name in the parent)
+    emptied = set()  # (dev, ino) of directories already handled: never loop on one
+    while stack:
+        fd = stack[-1][0]
+        try:
+            os.fchmod(fd, 0o700)
+        except OSError:
+            pass
+        child = None
+        for name in os.listdir(fd):
             try:
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
                 continue
+            if not stat.S_ISDIR(st.st_mode):
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except OSError:
+                    pass
+            elif (st.st_dev, st.st_ino) not in emptied:
+                try:
+                    child = (os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd),
+                             name)
+                except OSError:
+                    emptied.add((st.st_dev, st.st_ino))
+                    continue
+                emptied.add((st.st_dev, st.st_ino))
+                break
+        if child is not None:
+            stack.append(child)
+            continue
+        _, name = stack.pop()
+        os.close(fd)
+        if stack:
             try:
-                _rm_in(sub)
-            finally:
-                os.close(sub)
-            try:
-                os.rmdir(name, dir_fd=fd)
-            except OSError:
-                pass
-        else:
-            try:
-                os.unlink(name, dir_fd=fd)
+                os.rmdir(name, dir_fd=stack[-1][0])
             except OSError:
                 pass
 

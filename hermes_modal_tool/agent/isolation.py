@@ -29,7 +29,8 @@ HIDDEN_TOP = frozenset(("proc", "dev", "sys", "tmp", "run", "home", "root", "mnt
 CTL_PATH = "/run/hmt"  # short: bash reads the per-command line one byte at a time
 
 
-def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_fd):
+def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_fd,
+               tmpfs_mb=None):
     """Return the bwrap argv prefix that starts one slot's sandboxed process.
 
     Args:
@@ -41,7 +42,10 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
         hide: extra absolute paths to cover with an empty tmpfs.
         hostname: the slot's hostname.
         info_fd: fd bwrap writes ``{"child-pid": N}`` to.
+        tmpfs_mb: size cap of each writable tmpfs (``/tmp``, ``/var/tmp``, ``/run``,
+            ``/dev/shm``); their pages also count toward the slot's memory cgroup.
     """
+    size = ["--size", str(int(tmpfs_mb) * 1024 * 1024)] if tmpfs_mb else []
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--info-fd", str(info_fd), "--hostname", hostname]
@@ -56,10 +60,11 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run",
-             "--dir", "/home", "--dir", "/root", "--dir", "/mnt"]
+    argv += ["--proc", "/proc", "--dev", "/dev"] + size + ["--tmpfs", "/dev/shm"] + size + [
+        "--tmpfs", "/tmp"] + size + ["--tmpfs", "/run",
+                                     "--dir", "/home", "--dir", "/root", "--dir", "/mnt"]
     if os.path.isdir("/var/tmp"):
-        argv += ["--tmpfs", "/var/tmp"]
+        argv += size + ["--tmpfs", "/var/tmp"]
     for path in hide:
         if path and path != "/" and _under_bound(path):
             argv += ["--tmpfs", path]
@@ -216,6 +221,22 @@ class Cgroups:
             _rmdir(base)
             _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
         return not any(os.path.isdir(base) for base in self._bases.values())
+
+    def pids_limit_events(self, slot):
+        """How many times a fork in the slot failed at its pids limit (``pids.events`` ``max``)."""
+        if self.mode == "rlimit":
+            return 0
+        d = self._dirs(slot)
+        path = os.path.join(d["pids"] if self.mode == "cgroup-v1" else d["unified"], "pids.events")
+        try:
+            with open(path) as fh:
+                for line in fh:
+                    key, _, value = line.partition(" ")
+                    if key == "max":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
 
     def memory_peak_exceeded(self, slot):
         """True if the slot's memory cgroup has hit its limit (an OOM kill is likely)."""

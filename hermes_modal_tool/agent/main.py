@@ -10,7 +10,6 @@ import asyncio
 import collections
 import os
 import resource
-import shutil
 import signal
 import sys
 import time
@@ -60,6 +59,10 @@ class SlotRuntime:
         os.makedirs(self.ws_host, exist_ok=True)
         self.workspace.wipe()
         self.ready = True
+
+    def pids_events(self):
+        cg = self.agent.cgroups
+        return cg.pids_limit_events(self.index) if cg else 0
 
     def memory_limit_hit(self):
         cg = self.agent.cgroups
@@ -226,6 +229,10 @@ class Agent:
         uid_base = cfg.get("uid_base")
         self.uid_base = uid_base if (uid_base is not None and os.geteuid() == 0) else None
         limits = dict(cfg.get("limits", {}))
+        # A slot's /tmp (and /run, /var/tmp, /dev/shm) may hold at most half its memory
+        # limit each: a full /tmp fails with ENOSPC instead of growing without bound.
+        mem = limits.get("slot_memory_mb") or limits.get("memory_mb")
+        self.tmpfs_mb = max(16, int(mem) // 2) if mem else None
         limits.setdefault("sandbox_pids", (limits.get("pids") or 0) * cfg["slots"] + 64
                           if limits.get("pids") else None)
         os.makedirs(self.state_dir, exist_ok=True)
@@ -320,18 +327,24 @@ class Agent:
             if args is None:
                 args = {}
             timeout = float(msg.get("timeout") or 30.0)
-            known = protocol.TOOL_ARGS.get(tool)
-            if known is not None and isinstance(args, dict):
-                extra = sorted(k for k in args if k not in known)
-                if extra:
-                    raise files.FileToolError("%s has no argument %s; it takes: %s" % (
-                        tool, ", ".join(repr(k) for k in extra), ", ".join(known)))
-            if tool == "bash":
+            problem = protocol.check_args(tool, args)
+            if problem is not None:  # nothing ran: no exit code
+                done(protocol.call_result(error=problem, returncode=None))
+            elif tool == "bash":
                 self.start_bash(slot, args, timeout, done)
             else:
                 done(self.run_tool(slot, tool, args))
         except files.FileToolError as exc:
             done(protocol.call_result(error=str(exc), returncode=1))
+        except OSError as exc:
+            # Name the path the caller gave (shortened), not a raw Python error.
+            given = args.get("path") if isinstance(args, dict) else None
+            name = given if isinstance(given, str) else (exc.filename if isinstance(exc.filename, str) else "")
+            if len(name) > 60:
+                name = name[:40] + "..." + name[-16:]
+            done(protocol.call_result(
+                error="%s: %s" % (repr(name), exc.strerror or exc) if name else str(exc.strerror or exc),
+                returncode=1))
         except Exception as exc:
             done(protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1))
 
@@ -440,10 +453,10 @@ class Agent:
                     break
                 await asyncio.sleep(0.05)
         if self.config and self.config.get("remove_state", True):
-            shutil.rmtree(self.ctl_root, ignore_errors=True)
-            shutil.rmtree(self.state_dir, ignore_errors=True)
-            if self.host_root != self.state_dir and self.config.get("host_root"):
-                shutil.rmtree(self.host_root, ignore_errors=True)
+            for path in (self.ctl_root, self.host_root if self.config.get("host_root") else None,
+                         self.state_dir):
+                if path:
+                    files.remove_tree(path)  # iterative: a slot may have made a very deep tree
         if mid is not None:
             self.send({"id": mid, "ok": True, "result": {}})
         if not self.done.done():

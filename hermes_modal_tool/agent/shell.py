@@ -38,7 +38,7 @@ INIT_LINES = (
 RUNNER = ("{ . @CMD@; } <@IN@\n"
           "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"\n")
 TERM_GRACE_S = 0.5
-SHELL_GRACE_S = 2.0
+SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replaced
 
 
 class OutputCollector:
@@ -154,11 +154,12 @@ class Shell:
         self.runner = self.stdin_runner = None
         self.used = False
         self.cmd_started = (0, 0)
+        self.pids_events = 0
         self.on_done = None
         self.timer = None
         self.timeout = 0.0
         self.started_at = 0.0
-        self.timed_out = self.cancelled = self.interrupting = False
+        self.timed_out = self.cancelled = self.interrupting = self.restarted = False
 
     @property
     def alive(self):
@@ -178,7 +179,7 @@ class Shell:
             pass_fds = (info_w,)
             argv = isolation.bwrap_argv(
                 agent.bwrap, slot.ws_host, slot.ws_path, slot.ctl_host, agent.network,
-                agent.hide, "slot-%d" % slot.index, info_w) + bash
+                agent.hide, "slot-%d" % slot.index, info_w, agent.tmpfs_mb) + bash
             cwd = "/"
         else:
             argv = bash
@@ -410,11 +411,12 @@ class Shell:
         self.used = True  # from now on a reset must replace this shell
         nonce = os.urandom(4).hex()  # only this slot's own output could forge it
         self.cmd_started = isolation.process_clock()
+        self.pids_events = self.slot.pids_events()
         collector = OutputCollector(nonce.encode(), limit, self.loop)
         self.collector = collector
         self.on_done = on_done
         self.timeout = timeout
-        self.timed_out = self.cancelled = self.interrupting = False
+        self.timed_out = self.cancelled = self.interrupting = self.restarted = False
         if env:
             prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
             line = ("__hmt_n=%s; { %s. %s; } <%s; \\builtin printf '\\036%%s %%d\\036\\n' "
@@ -472,11 +474,17 @@ class Shell:
         ended = collector.done.result() if collector.done.done() else False
         error = None
         rc = collector.returncode
-        if self.cancelled:
+        if self.slot.agent.closing:
+            error = "the sandbox was stopped (the backend is shutting down) while the command ran"
+            rc = None
+        elif self.cancelled:
             error = "cancelled; its processes were killed"
         elif self.timed_out:
             rc = 124
             error = "command timed out after %gs; its processes were killed" % self.timeout
+            if self.restarted:
+                error += ("; the shell itself did not stop and was restarted in the same directory "
+                          "(exported variables and functions were lost)")
         elif not ended:
             status = self.exit_status
             if status is not None and status > 128 and self.slot.agent.isolation == "bwrap":
@@ -492,10 +500,19 @@ class Shell:
             error += "; the next command starts a fresh shell in the workspace"
         elif rc == 137 and self.slot.memory_limit_hit():
             error = "killed: the slot's memory limit was reached"
+        data = {}
+        if self.slot.pids_events() > self.pids_events:
+            # fork() failed with EAGAIN at the slot's pids limit at least once.
+            data["limits_hit"] = ["pids"]
+            note = "the slot's process limit (pids_limit) was reached: fork failed"
+            if error is not None:
+                error += " (%s)" % note
+            elif rc not in (0, None):
+                error = "exit code %s; %s" % (rc, note)
         on_done, self.on_done = self.on_done, None
         on_done({
             "output": text, "error": error, "returncode": rc, "timed_out": self.timed_out,
-            "truncated": truncated, "duration_s": time.monotonic() - self.started_at, "data": {},
+            "truncated": truncated, "duration_s": time.monotonic() - self.started_at, "data": data,
         })
 
     async def interrupt(self, collector):
@@ -517,6 +534,7 @@ class Shell:
                 pass
         if not collector.done.done():
             # bash itself is stuck (or ignores the trap): restart it where it was.
+            self.restarted = True
             self.resume_dir = self.cwd()
             self.kill()
             collector.finish(124)

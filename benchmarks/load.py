@@ -1,0 +1,565 @@
+"""Load benchmark: many live slots, many trajectories, mixed work, every result checked.
+
+``--trajectories N`` trajectories (default 1000), each holding its own slot for the whole
+run (so N slots are live at once, packed ``--slots-per-sandbox`` to a sandbox), each
+running ``--steps M`` steps (default 50). A step is one of:
+
+- shell builtins only (``read``, ``echo``, arithmetic, ``$HOSTNAME``);
+- a short process (``python3 -c ...``);
+- ``write_file`` then ``cat`` of that file (two calls of one batch, same slot, in order);
+- a failing command (exit code 3);
+- about 1 in 200 (``--timeout-every``): ``sleep 5`` with ``timeout: 1`` (must come back
+  as exit code 124, with the output printed before the timeout, and nothing after it).
+
+Step 0 writes the trajectory's name to ``.owner`` and exports it. Every step's output
+names its trajectory and step, the slot's hostname (``slot-N``), the owner file and the
+exported variable, and is compared with exactly what that trajectory's slot must print:
+a result that went to the wrong trajectory, the wrong slot or the wrong step is counted
+as *misrouted*; a missing result, an exception or an unexpected failure as *lost*;
+anything else that differs as *wrong*. All three must be zero.
+
+Two ways of driving the trajectories (``--mode``):
+
+- ``tasks`` (default): one asyncio task per trajectory, each calling ``execute_batch``
+  for its own step, as an RL trainer's rollout workers do: every trajectory moves at its
+  own pace, and one trajectory's timeout does not hold up the others. Latency here is
+  what each caller sees per step.
+- ``lockstep``: one ``execute_batch`` per step across all trajectories (a synchronous
+  trainer). Each step lasts as long as its slowest call, so with 1000 trajectories and
+  1 timeout in 200 nearly every step waits out a 1 s timeout; latency is per step batch.
+
+Printed: wall time, throughput (calls/s), latency p50/p99/p99.9, the agent-side run time
+of each call, the MemAvailable low-water mark during the run (sampled every 0.2 s) and
+the PSS of our processes (the host process, agents, bwraps, shells, commands; sampled
+every few seconds, the peak is shown), and after ``stop()`` everything this run left
+behind: processes, cgroups, mounts, state directories. Exit status 1 if any result was
+lost, misrouted or wrong, or anything was left behind.
+
+Usage::
+
+    .venv/bin/python benchmarks/load.py                       # 1000 x 50
+    .venv/bin/python benchmarks/load.py --quick               # 100 x 10
+    .venv/bin/python benchmarks/load.py --trajectories 200 --steps 20 --mode lockstep
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import math
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hermes_modal_tool import ExecutionResult, SandboxConfig, Slot, ToolBackend
+
+perf = time.perf_counter
+CGROUP_GLOBS = ("/sys/fs/cgroup/*/hermes-modal-tool/*", "/sys/fs/cgroup/hermes-modal-tool/*")
+
+
+# -- the work --------------------------------------------------------------------------------
+
+@dataclass
+class Call:
+    """One tool call and exactly what it must return."""
+
+    tool: str
+    args: dict[str, Any]
+    output: str
+    success: bool = True
+    returncode: int | None = 0
+    timed_out: bool = False
+    kind: str = ""
+
+
+def step_calls(t: int, s: int, idx: int, seed: int, timeout_every: int) -> list[Call]:
+    """The calls of step ``s`` of trajectory ``t`` (whose slot has index ``idx``)."""
+    tag = f"T{t} S{s}"
+    host = f"slot-{idx}"
+    if s == 0:
+        return [Call("bash", {"command": f"echo T{t} > .owner; export TRAJ=T{t}; echo {tag} $HOSTNAME"},
+                     f"{tag} {host}\n", kind="init")]
+    rng = random.Random(f"{seed}:{t}:{s}")
+    r = rng.random()
+    if timeout_every and rng.randrange(timeout_every) == 0:
+        return [Call("bash", {"command": f"echo {tag} begin; sleep 5; echo {tag} never", "timeout": 1},
+                     f"{tag} begin\n", success=False, returncode=124, timed_out=True, kind="timeout")]
+    if r < 0.45:
+        cmd = f'read -r o < .owner; echo "{tag} $o $TRAJ $HOSTNAME $(({t} * {s}))"'
+        return [Call("bash", {"command": cmd}, f"{tag} T{t} T{t} {host} {t * s}\n", kind="builtin")]
+    if r < 0.70:
+        cmd = (f"python3 -c 'import os, socket; print(\"{tag}\", open(\".owner\").read().strip(), "
+               "os.environ[\"TRAJ\"], os.getcwd(), socket.gethostname())'")
+        return [Call("bash", {"command": cmd}, f"{tag} T{t} T{t} /data/slot_{idx} {host}\n",
+                     kind="process")]
+    if r < 0.96:
+        payload = rng.randbytes(rng.randrange(8, 400)).hex()
+        content = f"{tag} {payload}\n"
+        name = f"s{s}.txt"
+        return [Call("write_file", {"path": name, "content": content},
+                     f"wrote {len(content)} bytes to /data/slot_{idx}/{name}", kind="write"),
+                Call("bash", {"command": f"cat {name}; echo $TRAJ $HOSTNAME"},
+                     f"{content}T{t} {host}\n", kind="cat")]
+    return [Call("bash", {"command": f"echo {tag} fail $TRAJ; (exit 3)"}, f"{tag} fail T{t}\n",
+                 success=False, returncode=3, kind="fail")]
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    lost: int = 0
+    misrouted: int = 0
+    wrong: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    samples: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    agent_s: list[float] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def check(self, t: int, s: int, call: Call, r: Any) -> None:
+        self.by_kind[call.kind] = self.by_kind.get(call.kind, 0) + 1
+        problem = None
+        if not isinstance(r, ExecutionResult):
+            self.lost += 1
+            problem = f"lost: {r!r:.200}"
+        else:
+            if r.metadata.get("duration_s") is not None:
+                self.agent_s.append(r.metadata["duration_s"])
+            if _names_other(r.output, t, s, call.output):
+                self.misrouted += 1
+                problem = "misrouted"
+            elif call.success and not r.success:
+                self.lost += 1
+                problem = "lost (failed)"
+            elif not _matches(call, r):
+                self.wrong += 1
+                problem = "wrong"
+        if problem is not None:
+            why = (r.error or f"output differs ({call.kind})") if isinstance(r, ExecutionResult) else "exception"
+            why = why.split(";")[0][:70]
+            if "timed out after" in why:
+                why = f"{call.kind}: " + why
+            key = f"{problem.split(' ')[0]}: {why}"
+            self.reasons[key] = self.reasons.get(key, 0) + 1
+        if problem is None:
+            self.ok += 1
+        elif len(self.samples) < 10:
+            got = (r.success, r.output[:200], r.error, r.metadata) if isinstance(r, ExecutionResult) else r
+            self.samples.append(f"{problem}: T{t} S{s} {call.kind} want {call.output[:120]!r} got {got!r}")
+
+
+def _matches(call: Call, r: ExecutionResult) -> bool:
+    if r.success != call.success:
+        return False
+    if call.tool == "write_file":
+        return r.output == call.output
+    if call.timed_out:
+        # what it printed before the timeout, then at most bash's note on the killed
+        # foreground job ("Terminated"), never what it would have printed after
+        if not r.output.startswith(call.output) or "never" in r.output:
+            return False
+    elif r.output != call.output:
+        return False
+    if r.metadata.get("returncode") != call.returncode:
+        return False
+    return bool(r.metadata.get("timed_out")) == call.timed_out
+
+
+def _names_other(output: str, t: int, s: int, expected: str) -> bool:
+    """Whether an output names another trajectory, step or slot than the expected one."""
+    words = output.replace("\n", " ").split(" ")
+    hosts = {w for w in expected.replace("\n", " ").split(" ") if w.startswith(("slot-", "/data/slot_"))}
+    for i, w in enumerate(words):
+        if w.startswith(("slot-", "/data/slot_")) and w not in hosts:
+            return True
+        if len(w) > 1 and w[0] == "T" and w[1:].isdigit() and w != f"T{t}":
+            return True
+        if (len(w) > 1 and w[0] == "S" and w[1:].isdigit() and i and words[i - 1].startswith("T")
+                and w != f"S{s}"):
+            return True
+    return False
+
+
+# -- /proc, memory and leftovers ------------------------------------------------------------
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            out[key] = int(rest.split()[0])
+    return out
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] != "Z":
+            kids.setdefault(int(fields[1]), []).append(int(entry))
+    return kids
+
+
+def descendants(root: int) -> list[int]:
+    kids = _children_map()
+    out, todo = [], [root]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def pss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Footprint:
+    """What one backend created: its agents and their descendants, processes in its
+    cgroups (orphans too), its cgroups, state directories and mounts."""
+
+    def __init__(self, backend: ToolBackend) -> None:
+        self.roots: list[str] = []
+        for d in backend._drivers.values():  # the local driver's state and control roots
+            self.roots += [str(p) for p in (getattr(d, "state_root", None), getattr(d, "ctl_root", None)) if p]
+        self.cg_prefix = os.path.basename(self.roots[0]) + "-" if self.roots else "\0"
+
+    def agents(self) -> list[int]:
+        out = []
+        for pid in _children_map().get(os.getpid(), []):
+            try:
+                err = os.readlink(f"/proc/{pid}/fd/2")
+            except OSError:
+                continue
+            if self.roots and err.startswith(self.roots[0] + "/"):
+                out.append(pid)
+        return out
+
+    def processes(self) -> list[int]:
+        mine = set()
+        for a in self.agents():
+            mine.add(a)
+            mine.update(descendants(a))
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cgroup") as fh:
+                        if "/hermes-modal-tool/" + self.cg_prefix in fh.read():
+                            mine.add(int(entry))
+                except OSError:
+                    pass
+        return sorted(mine)
+
+    def cgroups(self) -> list[str]:
+        return sorted(p for g in CGROUP_GLOBS for p in glob.glob(g)
+                      if os.path.basename(p).startswith(self.cg_prefix))
+
+    def mounts(self) -> list[str]:
+        with open("/proc/self/mounts") as fh:
+            return [ln for ln in fh.read().splitlines() if any(r in ln for r in self.roots)]
+
+    def count(self) -> dict[str, list]:
+        return {"processes": self.processes(), "cgroups": self.cgroups(), "mounts": self.mounts(),
+                "dirs": [d for d in self.roots if os.path.exists(d)]}
+
+    def settled(self, grace: float = 5.0, reap: bool = False) -> dict[str, list]:
+        deadline = time.monotonic() + grace
+        while True:
+            if reap:
+                reap_zombie_children()
+            c = self.count()
+            if not any(c.values()) or time.monotonic() > deadline:
+                return c
+            time.sleep(0.1)
+
+
+ORPHANS_REAPED = [0]
+
+
+def reap_zombie_children() -> int:
+    """Reap zombies among our children that are not agents: slot processes orphaned by a
+    kill and re-parented to us (a subreaper). Agents are left to the engine to wait for."""
+    n = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        comm = stat[stat.find("(") + 1:stat.rfind(")")]
+        if fields[0] == "Z" and int(fields[1]) == os.getpid() and not comm.startswith("python"):
+            try:
+                os.waitpid(int(entry), os.WNOHANG)
+                n += 1
+            except ChildProcessError:
+                pass
+    ORPHANS_REAPED[0] += n
+    return n
+
+
+class MemorySampler(threading.Thread):
+    """MemAvailable every 0.2 s (low-water mark); PSS of our processes every ``pss_every`` s."""
+
+    def __init__(self, pss_every: float = 5.0, reap: bool = False) -> None:
+        super().__init__(daemon=True, name="load-memory-sampler")
+        self.stop_event = threading.Event()
+        self.pss_every = pss_every
+        self.reap = reap
+        self.low_kib = meminfo()["MemAvailable"]
+        self.pss_peak_kib = 0
+        self.pss_peak_procs = 0
+
+    def pss_now(self) -> tuple[int, int]:
+        pids = [os.getpid()] + descendants(os.getpid())
+        return sum(pss_kib(p) for p in pids), len(pids)
+
+    def run(self) -> None:
+        next_pss = time.monotonic()
+        while not self.stop_event.wait(0.2):
+            self.low_kib = min(self.low_kib, meminfo()["MemAvailable"])
+            if time.monotonic() >= next_pss:
+                if self.reap:
+                    reap_zombie_children()
+                pss, n = self.pss_now()
+                if pss > self.pss_peak_kib:
+                    self.pss_peak_kib, self.pss_peak_procs = pss, n
+                next_pss = time.monotonic() + self.pss_every
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(10)
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+async def run_load(trajectories: int = 1000, steps: int = 50, slots_per_sandbox: int = 100,
+                   mode: str = "tasks", timeout_every: int = 200, seed: int = 1,
+                   memory_mib: int = 4096, pss_every: float = 5.0, reap: bool = False,
+                   log=lambda msg: None) -> dict[str, Any]:
+    """Run the load; return the numbers and the leak check (see the module docstring)."""
+    sandboxes = -(-trajectories // slots_per_sandbox)
+    profile = f"load{os.getpid()}x{uuid.uuid4().hex[:6]}"
+    config = SandboxConfig(name=profile, slots_per_sandbox=slots_per_sandbox, min_sandboxes=sandboxes,
+                           max_sandboxes=sandboxes, memory=memory_mib, execution_timeout_s=60,
+                           acquire_timeout_s=120, scale_down_idle=False)
+    mem_before = meminfo()["MemAvailable"]
+    sampler = MemorySampler(pss_every, reap)
+    sampler.start()
+    tally = Tally()
+    backend = ToolBackend(config)
+    res: dict[str, Any] = {"trajectories": trajectories, "steps": steps, "mode": mode,
+                           "sandboxes": sandboxes, "slots_per_sandbox": slots_per_sandbox,
+                           "timeout_every": timeout_every}
+    fp = None
+    try:
+        t0 = perf()
+        await backend.start()
+        fp = Footprint(backend)
+        slots: list[Slot] = [await backend.acquire(f"T{t}") for t in range(trajectories)]
+        res["start_and_acquire_s"] = perf() - t0
+        log(f"{sandboxes} sandboxes up, {len(slots)} slots held in {res['start_and_acquire_s']:.1f}s")
+        assert len({(s.sandbox_id, s.index) for s in slots}) == trajectories
+        calls = 0
+        t0 = perf()
+        if mode == "lockstep":
+            for s in range(steps):
+                plan = [(t, step_calls(t, s, slots[t].index, seed, timeout_every)) for t in range(trajectories)]
+                reqs = [(slots[t], c.tool, c.args) for t, cs in plan for c in cs]
+                b0 = perf()
+                try:
+                    results: list[Any] = await backend.execute_batch(reqs)
+                except Exception as exc:  # noqa: BLE001 - counted as lost
+                    results = [exc] * len(reqs)
+                took = perf() - b0
+                i = 0
+                for t, cs in plan:
+                    for c in cs:
+                        tally.check(t, s, c, results[i])
+                        tally.latencies.append(took)
+                        i += 1
+                calls += len(reqs)
+                if s == 0:
+                    res["first_step_s"] = took  # spawns every slot's shell
+                if s % 10 == 0 or s == steps - 1:
+                    log(f"step {s + 1}/{steps}: {took:.2f}s, {calls} calls, {tally.ok} ok")
+        else:
+            done_steps = 0
+
+            async def trajectory(t: int) -> int:
+                nonlocal done_steps
+                n = 0
+                slot = slots[t]
+                for s in range(steps):
+                    cs = step_calls(t, s, slot.index, seed, timeout_every)
+                    b0 = perf()
+                    try:
+                        results = await backend.execute_batch([(slot, c.tool, c.args) for c in cs])
+                    except Exception as exc:  # noqa: BLE001 - counted as lost
+                        results = [exc] * len(cs)
+                    took = perf() - b0
+                    for c, r in zip(cs, results, strict=True):
+                        tally.check(t, s, c, r)
+                        tally.latencies.append(took)
+                    n += len(cs)
+                    done_steps += 1
+                return n
+
+            async def progress() -> None:
+                while True:
+                    await asyncio.sleep(15)
+                    log(f"{done_steps}/{trajectories * steps} steps, {tally.ok} ok, "
+                        f"{perf() - t0:.0f}s")
+
+            reporter = asyncio.ensure_future(progress())
+            try:
+                counts = await asyncio.gather(*(trajectory(t) for t in range(trajectories)))
+            finally:
+                reporter.cancel()
+                await asyncio.gather(reporter, return_exceptions=True)
+            calls = sum(counts)
+        wall = perf() - t0
+        pss, n = await asyncio.to_thread(sampler.pss_now)
+        if pss > sampler.pss_peak_kib:
+            sampler.pss_peak_kib, sampler.pss_peak_procs = pss, n
+        res["mem_end_of_run"] = {"pss_mib": pss / 1024, "processes": n}
+        status = backend.get_status()
+        res["status"] = {k: status[k] for k in ("sandboxes", "total_slots", "calls", "failures", "timeouts")}
+        res["status"]["sandboxes_died"] = status["pools"][profile]["sandboxes_died"]
+        for s in slots:
+            await backend.release(s)
+        res.update(calls=calls, wall_s=wall, calls_per_s=calls / wall,
+                   steps_per_s=trajectories * steps / wall)
+    finally:
+        if fp is None:
+            try:
+                fp = Footprint(backend)
+            except Exception:  # noqa: BLE001 - no driver was made
+                fp = None
+        t1 = perf()
+        await backend.stop()
+        res["stop_s"] = perf() - t1
+        sampler.stop()
+    res["leftovers"] = await asyncio.to_thread(fp.settled, 5.0, reap) if fp else {}
+    res["clean"] = not any(res["leftovers"].values())
+    res["orphans_reaped"] = ORPHANS_REAPED[0]
+    res.update(ok=tally.ok, lost=tally.lost, misrouted=tally.misrouted, wrong=tally.wrong,
+               by_kind=tally.by_kind, problems=tally.samples, reasons=tally.reasons)
+    lat = tally.latencies
+    res["latency_ms"] = {q: quantile(lat, v) * 1e3 for q, v in (("p50", .5), ("p99", .99), ("p99.9", .999))}
+    res["latency_ms"]["max"] = max(lat) * 1e3 if lat else math.nan
+    ag = tally.agent_s
+    res["agent_ms"] = {q: quantile(ag, v) * 1e3 for q, v in (("p50", .5), ("p99", .99), ("p99.9", .999))}
+    res["mem"] = {"memavailable_before_mib": mem_before / 1024,
+                  "memavailable_low_mib": sampler.low_kib / 1024,
+                  "memavailable_drop_mib": (mem_before - sampler.low_kib) / 1024,
+                  "pss_peak_mib": sampler.pss_peak_kib / 1024,
+                  "pss_peak_processes": sampler.pss_peak_procs,
+                  "pss_peak_mib_per_slot": sampler.pss_peak_kib / 1024 / trajectories}
+    return res
+
+
+def render(res: dict[str, Any]) -> str:
+    lat, ag, mem = res["latency_ms"], res["agent_ms"], res["mem"]
+    unit = "per step batch" if res["mode"] == "lockstep" else "per trajectory step"
+    lines = [
+        f"load: {res['trajectories']} trajectories x {res['steps']} steps, mode {res['mode']}, "
+        f"{res['sandboxes']} sandboxes x {res['slots_per_sandbox']} slots, timeout 1 in {res['timeout_every']}",
+        f"  start + acquire {res.get('start_and_acquire_s', math.nan):.1f}s; run {res.get('wall_s', math.nan):.1f}s; "
+        f"stop {res['stop_s']:.1f}s",
+        f"  calls {res.get('calls', 0)}  ({res.get('calls_per_s', math.nan):.0f} calls/s, "
+        f"{res.get('steps_per_s', math.nan):.0f} steps/s); by kind {json.dumps(res['by_kind'])}",
+        f"  results: ok {res['ok']}, lost {res['lost']}, misrouted {res['misrouted']}, wrong {res['wrong']}",
+        f"  latency ({unit}): p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, "
+        f"p99.9 {lat['p99.9']:.1f} ms, max {lat['max']:.1f} ms",
+        f"  agent-side run time per call: p50 {ag['p50']:.1f} ms, p99 {ag['p99']:.1f} ms, p99.9 {ag['p99.9']:.1f} ms",
+        f"  memory: MemAvailable {mem['memavailable_before_mib']:.0f} MiB before, low-water "
+        f"{mem['memavailable_low_mib']:.0f} MiB (-{mem['memavailable_drop_mib']:.0f} MiB); "
+        f"PSS of our processes peak {mem['pss_peak_mib']:.0f} MiB over {mem['pss_peak_processes']} processes "
+        f"({mem['pss_peak_mib_per_slot']:.2f} MiB per slot)",
+        f"  engine status at the end: {json.dumps(res.get('status', {}))}",
+        f"  slot processes orphaned (re-parented to this subreaper, reaped): {res.get('orphans_reaped', 0)}",
+        f"  after stop(): {'nothing left' if res['clean'] else 'LEFT BEHIND: ' + json.dumps(res['leftovers'])}",
+    ]
+    for k, v in sorted(res["reasons"].items(), key=lambda kv: -kv[1])[:12]:
+        lines.append(f"  ! {v} x {k}")
+    for p in res["problems"]:
+        lines.append(f"  ! {p}")
+    return "\n".join(lines)
+
+
+def become_subreaper() -> bool:
+    """Orphaned engine processes come back to us (attributable, and reaped)."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trajectories", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--slots-per-sandbox", type=int, default=100)
+    ap.add_argument("--mode", choices=("tasks", "lockstep"), default="tasks")
+    ap.add_argument("--timeout-every", type=int, default=200, help="1 step in N is a timeout (0: none)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="100 trajectories x 10 steps")
+    ap.add_argument("--json", help="also write the numbers here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.trajectories, args.steps = min(args.trajectories, 100), min(args.steps, 10)
+
+    def log(msg: str) -> None:
+        print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+    t0 = perf()
+    res = asyncio.run(run_load(args.trajectories, args.steps, args.slots_per_sandbox, args.mode,
+                               args.timeout_every, args.seed, reap=become_subreaper(), log=log))
+    res["total_s"] = perf() - t0
+    print(render(res))
+    print(f"  total {res['total_s']:.1f}s")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+    bad = res["lost"] or res["misrouted"] or res["wrong"] or not res["clean"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

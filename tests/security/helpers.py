@@ -1,0 +1,60 @@
+"""Host-side views of a slot for the attack suite."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from support import bash, processes
+
+from hermes_modal_tool import ExecutionResult
+
+
+async def call(backend, slot, tool, **args) -> ExecutionResult:
+    [result] = await backend.execute_batch([(slot, tool, args)])
+    return result
+
+
+def host_workspace(backend, slot) -> Path:
+    """Where ``slot``'s workspace lives on the host (the local driver's layout)."""
+    root = backend.get_status()["drivers"]["local"]["state_root"]
+    return Path(root) / slot.sandbox_id / "ws" / Path(slot.workspace_dir).name
+
+
+async def slot_uid(backend, slot) -> int:
+    r = await bash(backend, slot, "id -u")
+    uid = int(r.output)
+    assert uid >= 200000 or os.geteuid() != 0
+    return uid
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    """Live host processes running as ``uid`` (a slot's own uid when run as root)."""
+    return [p.pid for p in processes().values() if p.uid == uid]
+
+
+async def victim_state(backend, slot) -> list[str]:
+    r = await bash(backend, slot, "cat secret.txt; ls -A; cat d/f")
+    return r.output.split()
+
+
+def fresh_shell_only(uid: int) -> bool:
+    """True when all that runs as ``uid`` is a new idle shell (a reset pre-starts one)."""
+    procs = processes()
+    return all(procs[p].comm == "bwrap" or procs[p].cmdline == b"bash\x00--noprofile\x00--norc\x00"
+               for p in pids_of_uid(uid) if p in procs)
+
+
+def none_alive(pids) -> bool:
+    alive = set(processes())
+    return not (set(pids) & alive)
+
+
+def exists(path) -> bool:
+    return os.path.lexists(path)
+
+
+def host_can_fork() -> bool:
+    import subprocess
+
+    return subprocess.run(["true"], check=False).returncode == 0

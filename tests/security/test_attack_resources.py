@@ -1,0 +1,120 @@
+"""Resource attacks: each is stopped by its configured limit or timeout, the result says
+which, and the sandbox and its other slots keep working.
+
+Known limit: the workspace itself has no disk quota (it lives on the host's disk);
+``/tmp``, ``/var/tmp``, ``/run`` and ``/dev/shm`` are tmpfs capped at half the slot's
+memory each (and charged to its memory cgroup).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from support import bash, processes, settle
+
+from .helpers import fresh_shell_only, host_can_fork, none_alive, pids_of_uid, slot_uid
+
+PIDS = 32
+
+
+async def test_fork_bomb_hits_the_pids_limit(make_backend):
+    backend = await make_backend(pids_limit=PIDS, slot_memory=256)
+    bomb = await backend.acquire("bomb")
+    other = await backend.acquire("other")
+    uid = await slot_uid(backend, bomb)
+    r = await bash(backend, bomb, "bomb() { bomb | bomb & }; bomb; sleep 2; "
+                                  "for i in $(seq 64); do sleep 30 & done; exit 1", timeout=4)
+    assert r.metadata.get("limits_hit") == ["pids"], (r.error, r.metadata)
+    assert "pids_limit" in r.error and "process limit" in r.error
+    assert len(pids_of_uid(uid)) <= PIDS + 2  # its init and bwrap are counted too
+    # The other slot and the host still fork.
+    r = await bash(backend, other, "for i in 1 2 3; do /bin/true & done; wait; echo ok")
+    assert r.output == "ok\n"
+    assert host_can_fork()
+    before = pids_of_uid(uid)
+    await backend.release(bomb, reset_workspace=True)
+    assert await settle(lambda: none_alive(before))
+    assert await settle(lambda: fresh_shell_only(uid)), [processes().get(p) for p in pids_of_uid(uid)]
+    again = await backend.acquire("after")
+    assert (await bash(backend, again, "echo fresh")).output == "fresh\n"
+
+
+async def test_memory_bomb_hits_the_slot_memory_limit(make_backend):
+    backend = await make_backend(slot_memory=128)
+    hog = await backend.acquire("hog")
+    other = await backend.acquire("other")
+    for cmd in ("python3 -c 'x = bytearray(512 * 1024 * 1024); print(len(x))'",
+                "python3 -c 'x = []\nwhile True: x.append(bytearray(16 * 1024 * 1024))'",
+                "a=x; while :; do a=$a$a; done"):
+        r = await bash(backend, hog, cmd, timeout=20)
+        assert not r.success and "memory limit" in r.error, (cmd, r.error)
+        assert not r.metadata["timed_out"]
+    assert (await bash(backend, hog, "echo recovered")).output == "recovered\n"
+    assert (await bash(backend, other, "echo ok")).output == "ok\n"
+
+
+async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(make_backend):
+    backend = await make_backend(slot_memory=256)
+    slot = await backend.acquire("filler")
+    other = await backend.acquire("other")
+    host_free = shutil.disk_usage("/tmp").free
+    for path in ("/tmp", "/var/tmp", "/dev/shm", "/run"):
+        r = await bash(backend, slot, f"head -c 1G /dev/zero > {path}/fill; echo rc=$?; "
+                                      f"du -sm {path}/fill | cut -f1; rm -f {path}/fill", timeout=20)
+        assert "No space left on device" in r.output and "rc=1" in r.output, (path, r.output, r.error)
+        assert int(r.output.split()[-1]) <= 128, r.output
+    assert abs(shutil.disk_usage("/tmp").free - host_free) < 512 * 1024 * 1024
+    assert (await bash(backend, slot, "echo alive")).output == "alive\n"
+    assert (await bash(backend, other, "echo ok")).output == "ok\n"
+
+
+async def test_output_flood_is_capped_and_others_keep_working(make_backend):
+    backend = await make_backend(output_limit=2000)
+    flood = await backend.acquire("flood")
+    other = await backend.acquire("other")
+    results = await backend.execute_batch([
+        (flood, "bash", {"command": "yes 'flood flood flood' | head -c 1G; echo; echo tail-end",
+                         "timeout": 60}),
+        (other, "bash", {"command": "for i in $(seq 200); do echo line$i; done", "timeout": 60}),
+    ])
+    r, o = results
+    assert r.success and r.metadata["truncated"]
+    assert len(r.output) < 2200 and r.output.endswith("tail-end\n") and "truncated" in r.output
+    assert o.output == "".join(f"line{i}\n" for i in range(1, 201)) and not o.metadata["truncated"]
+    # An endless flood stops at the timeout.
+    r = await bash(backend, flood, "yes", timeout=2)
+    assert r.metadata["timed_out"] and "timed out after 2s" in r.error and len(r.output) < 2200
+    assert (await bash(backend, flood, "echo after")).output == "after\n"
+
+
+async def test_command_that_never_reads_stdin_or_waits_for_input(backend, slot):
+    big = "x" * (5 * 1024 * 1024)
+    r = await bash(backend, slot, "sleep 0.1; echo done", stdin=big)
+    assert r.output == "done\n"
+    r = await bash(backend, slot, "read -r line; echo \"got:$line\"; cat; echo eof")
+    assert r.output == "got:\neof\n"  # stdin is /dev/null: no command can wait on it
+    r = await bash(backend, slot, "python3 -c 'import sys; print(len(sys.stdin.read()))'")
+    assert r.output == "0\n"
+    r = await bash(backend, slot, "sleep 60 < /dev/tty 2>&1; cat /dev/zero > /dev/null", timeout=1.5)
+    assert r.metadata["timed_out"]
+
+
+async def test_busy_loops_stop_at_the_timeout(backend, two_slots):
+    a, b = two_slots
+    uid = await slot_uid(backend, b)
+    for cmd in ("while :; do :; done", "python3 -c 'while True: pass'",
+                "trap '' TERM INT; python3 -c 'import signal\nsignal.signal(15, signal.SIG_IGN)\nwhile 1: pass'",
+                "sh -c 'while :; do :; done' & sh -c 'while :; do :; done'"):
+        r, other = await backend.execute_batch([(b, "bash", {"command": cmd, "timeout": 1}),
+                                                (a, "bash", {"command": "cat secret.txt"})])
+        assert r.metadata["timed_out"] and r.metadata["returncode"] == 124, cmd
+        assert "timed out after 1s" in r.error
+        assert other.output == "victim-secret\n"
+
+        def spinning() -> list:
+            procs = processes()
+            return [procs[p].comm for p in pids_of_uid(uid)
+                    if p in procs and procs[p].comm in ("python3", "sh")]
+
+        assert await settle(lambda: not spinning()), spinning()
+    assert (await bash(backend, b, "echo responsive")).output.endswith("responsive\n")
