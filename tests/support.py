@@ -6,7 +6,9 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -169,3 +171,23 @@ async def bash(backend: ToolBackend, slot: Slot, command: str, **args: Any) -> E
     """Run one bash command in ``slot``; return its ExecutionResult."""
     [result] = await backend.execute_batch([(slot, "bash", {"command": command, **args})])
     return result
+
+
+@contextmanager
+def portal_backend(prefix: str, sizes: dict[str, Any], **fields: Any) -> Iterator[ToolBackend]:
+    """A started backend on the portal loop (for sync callers: adapters, the CLI);
+    stopped and checked for leftovers on exit. ``prefix`` starts its profile name."""
+    from hermes_modal_tool.portal import run_sync
+
+    leftovers = Leftovers(uuid.uuid4().hex)
+    config = SandboxConfig(**{"name": prefix + uuid.uuid4().hex[:8], **sizes, **fields})
+    backend = ToolBackend(leftovers.tag(config))
+    run_sync(backend.start())
+    try:
+        yield backend
+    finally:
+        leftovers.note_roots(backend)
+        run_sync(asyncio.wait_for(backend.stop(), 30))
+        procs, dirs = run_sync(leftovers.remaining())
+        assert not procs, f"processes left behind after stop(): {describe(procs)}"
+        assert not dirs, f"state directories left behind after stop(): {sorted(dirs)}"

@@ -10,41 +10,23 @@ randomness.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
+import support
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
-from support import Leftovers, describe
-
-from hermes_modal_tool import SandboxConfig, ToolBackend
-from hermes_modal_tool.portal import run_sync
 
 #: The sizes the adapter tests use (2 cores: keep it small).
 SIZES: dict[str, Any] = {"slots_per_sandbox": 4, "min_sandboxes": 1, "max_sandboxes": 2,
                          "memory": 1024, "acquire_timeout_s": 10.0, "execution_timeout_s": 20.0}
 
 
-@contextmanager
-def portal_backend(**fields: Any) -> Iterator[ToolBackend]:
+def portal_backend(**fields: Any):
     """A started backend on the portal loop; stopped (and checked for leftovers) on exit."""
-    leftovers = Leftovers(uuid.uuid4().hex)
-    config = SandboxConfig(**{"name": "lc" + uuid.uuid4().hex[:8], **SIZES, **fields})
-    backend = ToolBackend(leftovers.tag(config))
-    run_sync(backend.start())
-    try:
-        yield backend
-    finally:
-        leftovers.note_roots(backend)
-        run_sync(asyncio.wait_for(backend.stop(), 30))
-        procs, dirs = run_sync(leftovers.remaining())
-        assert not procs, f"processes left behind after stop(): {describe(procs)}"
-        assert not dirs, f"state directories left behind after stop(): {sorted(dirs)}"
+    return support.portal_backend("lc", SIZES, **fields)
 
 
 def steps(*calls: tuple[str, dict[str, Any]]) -> HumanMessage:

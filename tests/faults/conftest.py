@@ -10,9 +10,10 @@ import os
 from typing import Any
 
 import pytest
-from .faultkit import Footprint, machine_globals
 
 from hermes_modal_tool import ToolBackend
+
+from .faultkit import Footprint, machine_globals
 
 #: Two sandboxes of three slots: a fault in one sandbox has bystanders in the same one
 #: (shell faults) and in the other (sandbox faults).

@@ -15,6 +15,10 @@ import signal
 import time
 
 import pytest
+from support import bash, settle
+
+from hermes_modal_tool import BackendClosedError, SlotState
+
 from .faultkit import (
     FAIL_FAST_S,
     Footprint,
@@ -24,9 +28,6 @@ from .faultkit import (
     timed_batch,
     wait_for_processes,
 )
-from support import bash, settle
-
-from hermes_modal_tool import BackendClosedError, SlotState
 
 LONG = "echo started-{tag}; sleep 30; echo finished-{tag}"
 

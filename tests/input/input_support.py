@@ -6,33 +6,18 @@ plain sync tests (and hypothesis) can drive it with ``run_sync``.
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from support import SMALL, Leftovers, describe
+import support
+from support import SMALL
 
-from hermes_modal_tool import ExecutionResult, SandboxConfig, Slot, ToolBackend
+from hermes_modal_tool import ExecutionResult, Slot, ToolBackend
 from hermes_modal_tool.portal import run_sync
 
 
-@contextmanager
-def portal_backend(**fields: Any) -> Iterator[ToolBackend]:
+def portal_backend(**fields: Any):
     """A started backend on the portal loop; stopped (and checked for leftovers) on exit."""
-    leftovers = Leftovers(uuid.uuid4().hex)
-    config = SandboxConfig(**{"name": "in" + uuid.uuid4().hex[:8], **SMALL, **fields})
-    backend = ToolBackend(leftovers.tag(config))
-    run_sync(backend.start())
-    try:
-        yield backend
-    finally:
-        leftovers.note_roots(backend)
-        run_sync(asyncio.wait_for(backend.stop(), 30))
-        procs, dirs = run_sync(leftovers.remaining())
-        assert not procs, f"processes left behind after stop(): {describe(procs)}"
-        assert not dirs, f"state directories left behind after stop(): {sorted(dirs)}"
+    return support.portal_backend("in", SMALL, **fields)
 
 
 def batch(backend: ToolBackend, requests: list[Any], timeout_s: float | None = None,
