@@ -44,6 +44,9 @@ from typing import Any
 
 from hermes_modal_tool import SandboxConfig, ToolBackend
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
+from _proc import become_subreaper, descendants, meminfo, proc_stats, quantile  # noqa: E402
+
 perf = time.perf_counter
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -58,17 +61,6 @@ TARGETS = {
 
 
 # -- small helpers -------------------------------------------------------------------
-def quantile(xs: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile of ``xs`` (0 <= q <= 1)."""
-    s = sorted(xs)
-    if not s:
-        return math.nan
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def summary_ms(xs: Sequence[float]) -> dict[str, float]:
     """Seconds in, a dict of milliseconds out."""
     return {"n": len(xs), "median": quantile(xs, 0.5) * 1e3, "p90": quantile(xs, 0.9) * 1e3,
@@ -88,43 +80,6 @@ def fmt_ms(v: float) -> str:
 
 def fmt_lat(s: dict[str, float]) -> str:
     return f"{fmt_ms(s['median'])} / {fmt_ms(s['p90'])} / {fmt_ms(s['p99'])}"
-
-
-def meminfo() -> dict[str, int]:
-    """``/proc/meminfo`` in KiB."""
-    out = {}
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            out[key] = int(rest.split()[0])
-    return out
-
-
-def proc_stats():
-    """``(pid, fields)`` for every process; fields start at the state (``/proc/PID/stat``
-    after the command name)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        yield int(entry), stat[stat.rfind(")") + 2:].split()
-
-
-def descendants(root: int) -> list[int]:
-    """Pids of every live descendant of ``root`` (through /proc/*/stat ppids)."""
-    children: dict[int, list[int]] = {}
-    for pid, fields in proc_stats():
-        children.setdefault(int(fields[1]), []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def proc_kind(pid: int) -> str:
@@ -184,17 +139,6 @@ def process_memory() -> dict[str, dict[str, int]]:
 
 
 ORPHANS: dict[str, int] = {"zombie": 0, "live": 0}
-
-
-def become_subreaper() -> bool:
-    """Make this process the reaper of its orphaned descendants (Linux), so that engine
-    processes whose parent died come back to us: attributable, and reaped before we exit."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        return False
 
 
 def reap_orphans() -> dict[str, list[int]]:

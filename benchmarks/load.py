@@ -61,6 +61,9 @@ from typing import Any
 
 from hermes_modal_tool import ExecutionResult, SandboxConfig, Slot, ToolBackend
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
+from _proc import become_subreaper, descendants, meminfo, proc_stats, quantile  # noqa: E402
+
 perf = time.perf_counter
 CGROUP_GLOBS = ("/sys/fs/cgroup/*/hermes-modal-tool/*", "/sys/fs/cgroup/hermes-modal-tool/*")
 
@@ -190,41 +193,6 @@ def _names_other(output: str, t: int, s: int, expected: str) -> bool:
 
 # -- /proc, memory and leftovers ------------------------------------------------------------
 
-def meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            out[key] = int(rest.split()[0])
-    return out
-
-
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if fields[0] != "Z":
-            kids.setdefault(int(fields[1]), []).append(int(entry))
-    return kids
-
-
-def descendants(root: int) -> list[int]:
-    kids = _children_map()
-    out, todo = [], [root]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def pss_kib(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as fh:
@@ -248,7 +216,8 @@ class Footprint:
 
     def agents(self) -> list[int]:
         out = []
-        for pid in _children_map().get(os.getpid(), []):
+        me = os.getpid()
+        for pid in [p for p, f in proc_stats() if f[0] != "Z" and int(f[1]) == me]:
             try:
                 err = os.readlink(f"/proc/{pid}/fd/2")
             except OSError:
@@ -261,7 +230,7 @@ class Footprint:
         mine = set()
         for a in self.agents():
             mine.add(a)
-            mine.update(descendants(a))
+            mine.update(descendants(a, live_only=True))
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:
@@ -335,7 +304,7 @@ class MemorySampler(threading.Thread):
         self.pss_peak_procs = 0
 
     def pss_now(self) -> tuple[int, int]:
-        pids = [os.getpid()] + descendants(os.getpid())
+        pids = [os.getpid()] + descendants(os.getpid(), live_only=True)
         return sum(pss_kib(p) for p in pids), len(pids)
 
     def run(self) -> None:
@@ -353,16 +322,6 @@ class MemorySampler(threading.Thread):
     def stop(self) -> None:
         self.stop_event.set()
         self.join(10)
-
-
-def quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return math.nan
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -520,15 +479,6 @@ def render(res: dict[str, Any]) -> str:
     for p in res["problems"]:
         lines.append(f"  ! {p}")
     return "\n".join(lines)
-
-
-def become_subreaper() -> bool:
-    """Orphaned engine processes come back to us (attributable, and reaped)."""
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
