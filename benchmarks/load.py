@@ -271,22 +271,18 @@ def reap_zombie_children() -> int:
     """Reap zombies among our children that are not agents: slot processes orphaned by a
     kill and re-parented to us (a subreaper). Agents are left to the engine to wait for."""
     n = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    me = os.getpid()
+    for pid, fields in proc_stats():
+        if fields[0] != "Z" or int(fields[1]) != me:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        comm = stat[stat.find("(") + 1:stat.rfind(")")]
-        if fields[0] == "Z" and int(fields[1]) == os.getpid() and not comm.startswith("python"):
-            try:
-                os.waitpid(int(entry), os.WNOHANG)
-                n += 1
-            except ChildProcessError:
-                pass
+            with open(f"/proc/{pid}/comm") as fh:
+                if fh.read().startswith("python"):
+                    continue
+            os.waitpid(pid, os.WNOHANG)
+            n += 1
+        except (OSError, ChildProcessError):
+            pass
     ORPHANS_REAPED[0] += n
     return n
 

@@ -349,15 +349,11 @@ class Agent:
             done(protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1))
 
     def run_tool(self, slot, tool, args):
-        """Run a file tool (synchronous: local file system calls only)."""
-        if not isinstance(args, dict):
-            raise files.FileToolError("args must be an object, got %s" % type(args).__name__)
-        fn = files.TOOLS.get(tool)
-        if fn is None:
-            return protocol.call_result(
-                error="unknown tool %r; known tools: %s" % (tool, ", ".join(protocol.TOOLS)),
-                returncode=None)
-        output, data = fn(slot.workspace, args, self.limit)
+        """Run a file tool (synchronous: local file system calls only).
+
+        ``tool`` and ``args`` were checked by :func:`protocol.check_args`.
+        """
+        output, data = files.TOOLS[tool](slot.workspace, args, self.limit)
         truncated = False
         if tool == "list_files" or (tool == "read_file" and data.get("encoding") == "text"):
             output, truncated = _cap(output, self.limit)
@@ -366,29 +362,13 @@ class Agent:
         return protocol.call_result(output=output, returncode=0, truncated=truncated, data=data)
 
     def start_bash(self, slot, args, timeout, done):
-        if not isinstance(args, dict):
-            raise files.FileToolError("args must be an object, got %s" % type(args).__name__)
-        command = args.get("command")
-        if not isinstance(command, str):
-            raise files.FileToolError("missing required argument 'command' (a string)")
-        if "\x00" in command:
-            raise files.FileToolError("command contains a NUL byte, which bash cannot run")
+        """Start a bash call; ``args`` were checked by :func:`protocol.check_args`."""
+        command = args["command"]
         env = args.get("env") or {}
-        if not isinstance(env, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and _valid_name(k) and "\x00" not in v
-                for k, v in env.items()):
-            raise files.FileToolError("env must map variable names to string values, got %r" % (env,))
         stdin = args.get("stdin")
-        if stdin is not None and not isinstance(stdin, str):
-            raise files.FileToolError("stdin must be a string, got %r" % (type(stdin).__name__,))
         if args.get("timeout") is not None:
             timeout = args["timeout"]
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-                raise files.FileToolError("timeout must be a positive number of seconds, got %r"
-                                          % (timeout,))
-        background = args.get("background", False)
-        if not isinstance(background, bool):
-            raise files.FileToolError("background must be true or false, got %r" % (background,))
+        background = args.get("background") or False
         stdin_path = "/dev/null"
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
@@ -465,11 +445,6 @@ class Agent:
 
 def _q(value):
     return "'" + str(value).replace("'", "'\"'\"'") + "'"
-
-
-def _valid_name(name):
-    return bool(name) and (name[0].isalpha() or name[0] == "_") and all(
-        c.isalnum() or c == "_" for c in name) and name.isascii()
 
 
 def _cap(text, limit):
