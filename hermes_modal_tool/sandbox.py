@@ -3,6 +3,11 @@
 Every request is one frame on the shared stream; responses are matched by id.
 When the stream closes (the agent died, the sandbox was killed) every pending
 request fails at once with :class:`~hermes_modal_tool.errors.SandboxDiedError`.
+
+Each request has a deadline (for a call: its timeout plus :data:`HOST_GRACE_S`). A
+call the agent reports ``queued`` (waiting behind another call of its slot, for
+admission, or for its shell to start) has none until the agent reports it
+``started``; from then on it has the whole deadline again.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Sandbox:
         self.last_used = self.started_at
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self._deadlines: dict[int, tuple[asyncio.TimerHandle | None, float]] = {}
         self._outbox: list[bytes] = []
         self._on_death = on_death
         self._reader: asyncio.Task | None = None
@@ -75,8 +81,27 @@ class Sandbox:
         pending = self._pending
         for msg in messages:
             fut = pending.pop(msg.get("id"), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(msg)
+            elif "event" in msg:
+                self._on_event(msg)
+
+    def _on_event(self, msg: dict[str, Any]) -> None:
+        """``queued``: the call waits before it starts (no deadline meanwhile);
+        ``started``: its command started (the whole deadline from now)."""
+        mid = msg.get("target")
+        entry = self._deadlines.get(mid)  # type: ignore[arg-type]
+        if entry is None or msg["event"] not in ("queued", "started"):
+            return
+        timer, wait_s = entry
+        if timer is not None:
+            timer.cancel()
+        if msg["event"] == "started":
+            timer = asyncio.get_running_loop().call_later(wait_s, self._expire, mid, wait_s)
+        else:
+            timer = None
+        self._deadlines[mid] = (timer, wait_s)  # type: ignore[index]
 
     def _on_close(self) -> None:
         self._mark_dead(None)
@@ -137,8 +162,8 @@ class Sandbox:
         self._outbox.append(frame)
         if flush:
             self.flush()
-        timer = loop.call_later(wait_s, self._expire, mid, wait_s)
-        fut.add_done_callback(lambda _f: timer.cancel())
+        self._deadlines[mid] = (loop.call_later(wait_s, self._expire, mid, wait_s), wait_s)
+        fut.add_done_callback(lambda _f: self._forget(mid))
         self.last_used = time.monotonic()
         return mid, fut
 
@@ -150,6 +175,11 @@ class Sandbox:
             if not self.dead:
                 self.handle.write(data)
 
+    def _forget(self, mid: int) -> None:
+        timer, _ = self._deadlines.pop(mid, (None, 0.0))
+        if timer is not None:
+            timer.cancel()
+
     def _expire(self, mid: int, wait_s: float) -> None:
         fut = self._pending.pop(mid, None)
         if fut is not None and not fut.done():
@@ -157,10 +187,16 @@ class Sandbox:
                 f"sandbox {self.sandbox_id}: the agent did not answer within {wait_s:g}s"))
             self.cancel(mid)
 
-    def cancel(self, mid: int) -> None:
-        """Ask the agent to stop request ``mid`` (kills what it started). Fire and forget."""
+    def cancel(self, mid: int, flush: bool = True) -> None:
+        """Ask the agent to stop request ``mid`` (kills what it started). Fire and forget.
+
+        With ``flush=False`` the frame waits for :meth:`flush`, so that several cancels
+        reach the agent in one write and take effect together.
+        """
         if not self.dead and mid:
-            self.handle.write(protocol.encode({"id": 0, "op": "cancel", "target": mid}))
+            self._outbox.append(protocol.encode({"id": 0, "op": "cancel", "target": mid}))
+            if flush:
+                self.flush()
 
     async def request(self, message: dict[str, Any], wait_s: float) -> dict[str, Any]:
         mid, fut = self.submit(message, wait_s)

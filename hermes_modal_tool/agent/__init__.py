@@ -21,7 +21,9 @@ _MODULES = (
     ("hermes_modal_tool.protocol", "protocol.py"),
     ("hermes_modal_tool.agent", None),
     ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
+    ("hermes_modal_tool.agent.procs", "agent/procs.py"),
     ("hermes_modal_tool.agent.files", "agent/files.py"),
+    ("hermes_modal_tool.agent.admission", "agent/admission.py"),
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),
     ("hermes_modal_tool.agent.main", "agent/main.py"),
 )

@@ -415,3 +415,37 @@ def ns_processes(ns_link=None, session=None):
             continue
         out.append((pid, nspid, nssid, int(stat_fields[19])))
     return out
+
+
+def find_working_bwrap(path_env, uid=None):
+    """Find ``bwrap`` on ``path_env`` and check it can make a user namespace here.
+
+    Used in containers (the Modal driver) where bubblewrap may be missing or
+    refused (gVisor, seccomp). The check runs ``bwrap ... true`` as ``uid`` (the
+    first slot's uid when the agent is root), because that is who runs it later.
+
+    Returns:
+        ``(path, "")`` when it works, else ``(None, why)``.
+    """
+    path = None
+    for d in (path_env or "").split(":"):
+        cand = os.path.join(d, "bwrap")
+        if d and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            path = cand
+            break
+    if path is None:
+        return None, "bwrap is not installed in the image"
+    import subprocess
+
+    argv = [path, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc",
+            "--dev", "/dev", "true"]
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=10, cwd="/",
+                              preexec_fn=make_preexec([], [], uid, uid) if uid is not None else None)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, "bwrap (%s) could not run: %s" % (path, exc)
+    if proc.returncode != 0:
+        why = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        return None, "bwrap (%s) does not work here: %s" % (path, why[-1] if why else proc.returncode)
+    return path, ""

@@ -4,10 +4,18 @@ Stdlib-only, Python 3.8. Started by a driver with :data:`..agent.BOOTSTRAP`; rea
 frames (see :mod:`hermes_modal_tool.protocol`) on stdin and writes frames on
 stdout. Nothing else may write to the real stdout, so the agent moves the
 protocol streams to private descriptors and points fds 0/1 at /dev/null/stderr.
+
+A bash call starts (and its timeout clock with it) once its slot is free, its slot's
+shell is ready (shells start in worker threads, a few at a time) and the sandbox's
+admission lets it in (:mod:`.admission`); the host is told about calls that wait long.
 """
 
 import asyncio
 import collections
+import concurrent.futures
+import functools
+import heapq
+import itertools
 import os
 import resource
 import signal
@@ -15,8 +23,18 @@ import sys
 import time
 
 from .. import protocol
-from . import files, isolation
+from . import admission, files, isolation
 from .shell import Shell
+
+#: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
+#: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
+SPAWN_THREADS = 4
+#: Seconds a call may wait to start (behind its slot's running call, for admission or
+#: for its shell) before the host is told it is queued and stops its deadline until the
+#: call starts; half the call's timeout when that is shorter. Either is well inside the
+#: host's deadline (the timeout plus a grace period), so no deadline passes meanwhile.
+NOTICE_S = 5.0
+STOPPED_BEFORE = "the sandbox was stopped (the backend is shutting down) before the command started"
 
 
 class SlotRuntime:
@@ -37,6 +55,7 @@ class SlotRuntime:
         self.ctl_fds = {}
         self.queue = collections.deque()  # call messages waiting for this slot
         self.current = None  # id of the call running now
+        self.pending = None  # that call while it waits for admission or for its shell
         self.busy = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -56,6 +75,11 @@ class SlotRuntime:
         if self.ready:
             return
         os.makedirs(self.ctl_host, mode=0o755, exist_ok=True)
+        if self.uid is not None and self.agent.isolation != "bwrap":
+            # No mount namespace hides other slots' control files: only this slot's uid
+            # may enter its control directory.
+            os.chown(self.ctl_host, self.uid, self.gid)
+            os.chmod(self.ctl_host, 0o500)
         os.makedirs(self.ws_host, exist_ok=True)
         self.workspace.wipe()
         self.ready = True
@@ -120,7 +144,7 @@ class SlotRuntime:
         already fresh and is kept.
         """
         shell = self.shell
-        if shell.used or not shell.alive:
+        if shell.used or not (shell.alive or shell.starting):
             await shell.stop()
             if self.agent.cgroups:
                 self.agent.cgroups.kill_slot(self.index)
@@ -147,6 +171,13 @@ class Agent:
         self.rlimits = []
         self.closing = False
         self.done = loop.create_future()
+        self._admission = None
+        self._spawner = None
+        self._spawn_limiter = None
+        self.unstarted = {}  # id(msg) -> a call that has not started yet
+        self.notices = []  # heap of (when to notice, seq, id(msg))
+        self.notice_seq = itertools.count()
+        self.notice_timer = None
 
     # -- io ------------------------------------------------------------------
     def send(self, message):
@@ -169,8 +200,11 @@ class Agent:
                 self.send({"id": mid, "ok": True, "result": protocol.call_result(
                     error="no slot %r in this sandbox" % (msg.get("slot"),))})
             else:
+                self.unstarted[id(msg)] = msg
                 slot.queue.append(msg)
                 slot.pump()
+                if id(msg) in self.unstarted:
+                    self.watch_unstarted(msg)
         elif op == "init":
             self.reply(mid, self.handle_init, msg)
         elif op == "reset":
@@ -195,11 +229,12 @@ class Agent:
     def cancel(self, target):
         for slot in self.slots.values():
             if slot.current == target:
-                slot.shell.cancel()
+                self.stop_current(slot, "cancelled before it started")
                 return True
             for msg in slot.queue:
                 if msg.get("id") == target:
                     slot.queue.remove(msg)
+                    self.unstarted.pop(id(msg), None)
                     self.send({"id": target, "ok": True,
                                "result": protocol.call_result(error="cancelled before it started")})
                     return True
@@ -224,10 +259,23 @@ class Agent:
         self.bwrap = cfg.get("bwrap")
         self.network = bool(cfg.get("network", True))
         self.hide = list(cfg.get("hide", []))
-        self.env = dict(cfg.get("env", {}))
+        # In a container (Modal) the slots see the container's environment (image
+        # variables, Modal secrets) plus the profile's; locally only the profile's.
+        self.env = {}
+        if cfg.get("inherit_env"):
+            self.env.update((k, v) for k, v in os.environ.items() if not k.startswith("PYTHON"))
+        self.env.update(cfg.get("env", {}))
         self.limit = int(cfg.get("output_limit", 50000))
         uid_base = cfg.get("uid_base")
         self.uid_base = uid_base if (uid_base is not None and os.geteuid() == 0) else None
+        isolation_note = ""
+        if self.isolation == "bwrap" and self.bwrap == "auto":
+            # Bubblewrap on top where it works in this container; else each slot keeps
+            # its own uid, 0700 workspace and process group (see SECURITY.md).
+            self.bwrap, isolation_note = isolation.find_working_bwrap(
+                self.env.get("PATH") or os.environ.get("PATH", ""), self.uid_base)
+            if self.bwrap is None:
+                self.isolation = "none"
         limits = dict(cfg.get("limits", {}))
         # A slot's /tmp (and /run, /var/tmp, /dev/shm) may hold at most half its memory
         # limit each: a full /tmp fails with ENOSPC instead of growing without bound.
@@ -267,6 +315,7 @@ class Agent:
             "python": "%d.%d.%d" % sys.version_info[:3],
             "pid": os.getpid(),
             "isolation": self.isolation,
+            "isolation_note": isolation_note,
             "limits": limit_mode,
             "limits_note": reason,
             "slot_uids": self.uid_base is not None,
@@ -274,8 +323,10 @@ class Agent:
         }
 
     def handle_status(self, msg):
-        return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.busy, "queued": len(s.queue)}
-                          for i, s in self.slots.items()}}
+        return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.busy, "queued": len(s.queue),
+                                   "waiting": s.pending is not None}
+                          for i, s in self.slots.items()},
+                "admission": self.admission.statistics()}
 
     async def handle_reset(self, msg):
         mid = msg.get("id")
@@ -285,10 +336,11 @@ class Agent:
             return
         while slot.queue:
             dropped = slot.queue.popleft()
+            self.unstarted.pop(id(dropped), None)
             self.send({"id": dropped.get("id"), "ok": True,
                        "result": protocol.call_result(error="the slot was reset before this call ran")})
         if slot.busy:
-            slot.shell.cancel()
+            self.stop_current(slot, "the slot was reset before this call ran")
             await slot.idle.wait()
         slot.set_busy(mid)
         had_shell = slot.shell.used
@@ -300,12 +352,9 @@ class Agent:
             self.send({"id": mid, "ok": True, "result": {}})
             if had_shell:
                 # A slot that was used will be used again: the next holder's first
-                # command should not wait for a shell to start.
-                self.flush()  # the reply goes out before the spawn
-                try:
-                    slot.shell.spawn()
-                except OSError:
-                    pass  # started (and reported) on first use instead
+                # command should not wait for a shell to start. Only with room to spare:
+                # under load the shell starts on first use instead.
+                self.prestart(slot)
         finally:
             slot.set_idle()
 
@@ -318,6 +367,8 @@ class Agent:
         def done(result):
             if not result.get("duration_s"):
                 result["duration_s"] = time.monotonic() - started
+            self.unstarted.pop(id(msg), None)
+            self.admission.release(slot)
             self.send({"id": mid, "ok": True, "result": result})
             slot.set_idle()
 
@@ -331,7 +382,7 @@ class Agent:
             if problem is not None:  # nothing ran: no exit code
                 done(protocol.call_result(error=problem, returncode=None))
             elif tool == "bash":
-                self.start_bash(slot, args, timeout, done)
+                self.start_bash(slot, msg, args, timeout, done)
             else:
                 done(self.run_tool(slot, tool, args))
         except files.FileToolError as exc:
@@ -361,8 +412,8 @@ class Agent:
             truncated = data.get("truncated", False)
         return protocol.call_result(output=output, returncode=0, truncated=truncated, data=data)
 
-    def start_bash(self, slot, args, timeout, done):
-        """Start a bash call; ``args`` were checked by :func:`protocol.check_args`."""
+    def start_bash(self, slot, msg, args, timeout, done):
+        """Start a bash call once admitted; ``args`` were checked by :func:`protocol.check_args`."""
         command = args["command"]
         env = args.get("env") or {}
         stdin = args.get("stdin")
@@ -373,10 +424,152 @@ class Agent:
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
         if background:
-            self.own(self._background(slot, command, env, done))
+            def begin():
+                self.own(self._background(slot, command, env, done))
+        else:
+            cmd_path = slot.write_ctl("cmd", command.encode("utf-8", "surrogatepass") + b"\n")
+
+            def begin():
+                slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done)
+        self.launch(slot, msg, begin, done)
+
+    # -- admission: commands start when counted and their shell is ready ------------
+    @property
+    def admission(self):
+        """The sandbox's :class:`admission.Admission` (its limit follows the ``cpu`` limit)."""
+        if self._admission is None:
+            cpu = ((self.config or {}).get("limits") or {}).get("cpu")
+            self._admission = admission.Admission(
+                self.loop, admission.default_limit(cpu))
+        return self._admission
+
+    @property
+    def spawner(self):
+        """The worker threads that start shells."""
+        if self._spawner is None:
+            self._spawner = concurrent.futures.ThreadPoolExecutor(
+                SPAWN_THREADS, thread_name_prefix="hermes-modal-tool-spawn")
+        return self._spawner
+
+    @property
+    def spawn_limiter(self):
+        """How many shells may start at once (first come, first served)."""
+        if self._spawn_limiter is None:
+            self._spawn_limiter = asyncio.Semaphore(SPAWN_THREADS)
+        return self._spawn_limiter
+
+    def launch(self, slot, msg, begin, done):
+        """Run ``begin()`` (which starts the command and its timeout clock) once the slot's
+        shell is ready and the call is admitted: at once when both hold, the usual case;
+        else ``slot.pending`` holds the call until then."""
+        if self.closing:
+            done(protocol.call_result(error=STOPPED_BEFORE))
+        elif not slot.shell.ready:
+            pending = slot.pending = _Pending(msg, begin, done)
+            pending.task = self.own(self._when_shell_ready(slot, pending))
+        elif self.admission.try_admit(slot, slot.shell.usage):
+            self._begin(msg, begin, done)
+        else:
+            slot.pending = _Pending(msg, begin, done)
+            self.admission.enqueue(slot, slot.shell.usage, functools.partial(self._admitted, slot))
+
+    def _admitted(self, slot):
+        pending = slot.pending
+        if pending is None:  # cancelled meanwhile
+            self.admission.release(slot)
+        elif slot.shell.ready:
+            slot.pending = None
+            self._begin(pending.msg, pending.begin, pending.done)
+        else:  # the shell died while the call waited: start a new one first
+            self.admission.release(slot)
+            slot.pending = None
+            self.launch(slot, pending.msg, pending.begin, pending.done)
+
+    async def _when_shell_ready(self, slot, pending):
+        try:
+            failure = await asyncio.shield(slot.shell.ensure_ready())
+        except asyncio.CancelledError:
+            if slot.pending is pending:  # the agent is shutting down
+                self._finish_pending(slot, STOPPED_BEFORE)
             return
-        cmd_path = slot.write_ctl("cmd", command.encode("utf-8", "surrogatepass") + b"\n")
-        slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done)
+        except Exception as exc:  # noqa: BLE001 - reported as the call's result
+            failure = protocol.call_result(error="the slot's shell could not be started: %s" % (exc,),
+                                           returncode=1)
+        if slot.pending is not pending:
+            return  # cancelled or reset while the shell started
+        slot.pending = None
+        if failure is not None:
+            pending.done(failure)
+        else:
+            self.launch(slot, pending.msg, pending.begin, pending.done)
+
+    def _begin(self, msg, begin, done):
+        self.unstarted.pop(id(msg), None)
+        if msg.get("_queued"):
+            self.send({"id": 0, "event": "started", "target": msg.get("id")})
+        try:
+            begin()
+        except Exception as exc:  # noqa: BLE001 - reported as the call's result
+            done(protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1))
+
+    def _finish_pending(self, slot, why):
+        pending, slot.pending = slot.pending, None
+        self.admission.discard(slot)
+        if pending.task is not None and pending.task is not asyncio.current_task():
+            pending.task.cancel()
+        pending.done(protocol.call_result(error=why))
+
+    def stop_current(self, slot, why):
+        """Stop the slot's current call: kill its command, or drop it if it has not started."""
+        if slot.pending is not None:
+            self._finish_pending(slot, why)
+        else:
+            slot.shell.cancel()
+
+    def watch_unstarted(self, msg):
+        """Call ``msg`` did not start at once: have the host told if it waits long."""
+        timeout = msg.get("timeout") or 30.0
+        args = msg.get("args")
+        own = args.get("timeout") if isinstance(args, dict) else None
+        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+            timeout = own
+        when = time.monotonic() + min(NOTICE_S, float(timeout) / 2)
+        heapq.heappush(self.notices, (when, next(self.notice_seq), id(msg)))
+        if self.notice_timer is None or self.notice_timer.when() > when:
+            self._schedule_notices()
+
+    def _schedule_notices(self):
+        if self.notice_timer is not None:
+            self.notice_timer.cancel()
+            self.notice_timer = None
+        while self.notices and self.notices[0][2] not in self.unstarted:
+            heapq.heappop(self.notices)  # started meanwhile
+        if self.notices:
+            self.notice_timer = self.loop.call_at(self.notices[0][0], self.notice_waiting)
+
+    def notice_waiting(self):
+        """Tell the host about each call that has waited long to start (see :data:`NOTICE_S`):
+        an event ``queued`` (the host stops its deadline), later ``started`` (the host
+        gives it the whole deadline from then on). The call's timeout is not affected."""
+        self.notice_timer = None
+        now = time.monotonic()
+        while self.notices and self.notices[0][0] <= now:
+            msg = self.unstarted.pop(heapq.heappop(self.notices)[2], None)
+            if msg is not None:
+                msg["_queued"] = True
+                self.send({"id": 0, "event": "queued", "target": msg.get("id")})
+        self._schedule_notices()
+
+    def prestart(self, slot):
+        """Start the slot's shell now if no other shell waits to start (else on first use)."""
+        if self.closing or self.spawn_limiter.locked() or self.admission.waiting:
+            return
+
+        def started(f):
+            if not f.cancelled():
+                f.exception()  # a failure shows on the slot's next call
+
+        slot.shell.ensure_ready().add_done_callback(started)
 
     async def _background(self, slot, command, env, done):
         try:
@@ -416,6 +609,9 @@ class Agent:
         if self.closing:
             return
         self.closing = True
+        for slot in self.slots.values():
+            if slot.pending is not None:
+                self._finish_pending(slot, STOPPED_BEFORE)
         for task in list(self.tasks):
             if task is not asyncio.current_task():
                 task.cancel()
@@ -423,6 +619,11 @@ class Agent:
             slot.shell.kill()
         await asyncio.gather(*(slot.shell.stop() for slot in self.slots.values()),
                              return_exceptions=True)
+        self.admission.close()
+        if self.notice_timer is not None:
+            self.notice_timer.cancel()
+        if self._spawner is not None:
+            self._spawner.shutdown(wait=False)
         if self.cgroups:
             # A cgroup can be removed once its last process is gone; dying ones take a moment.
             for _ in range(40):
@@ -441,6 +642,18 @@ class Agent:
             self.send({"id": mid, "ok": True, "result": {}})
         if not self.done.done():
             self.done.set_result(None)
+
+
+class _Pending:
+    """A call that waits for admission or for its slot's shell to start."""
+
+    __slots__ = ("msg", "begin", "done", "task")
+
+    def __init__(self, msg, begin, done):
+        self.msg = msg
+        self.begin = begin
+        self.done = done
+        self.task = None
 
 
 def _q(value):

@@ -12,11 +12,19 @@ directory and sends bash one short line on its stdin::
 end of a command is the marker line with a fresh random nonce, so a command
 cannot end another command's output by printing something that looks like it.
 
+Starting: ``Popen`` of the slot's ``bwrap`` blocks for 5-10 ms (it joins cgroups and
+drops its uid between fork and exec), so it runs in a worker thread, never on the
+agent's event loop. The shell is *ready* when it has printed a marker after its
+init lines; a command's timeout clock starts when the command is written to a
+ready shell, so the time a shell takes to start never counts against a command.
+
 Timeouts: the shell traps SIGUSR1 with ``return 124`` (which ends the sourced
-command even inside a shell loop); the agent sends it and kills every process of
-the slot except the shell, its init and background jobs (TERM, 0.5 s grace,
-KILL). If the shell itself does not come back within 2 s it is killed and the next
-command gets a fresh shell in the directory the old one was in.
+command even inside a shell loop; never the runner, so a signal that comes just as
+the command ends cannot skip the end marker); the agent sends it and kills every
+process of the command (found in the slot's cgroup, else by a scan of /proc) except
+the shell, its init and background jobs (TERM, 0.5 s grace, KILL). If the shell
+itself does not come back within 5 s it is killed and the next command gets a fresh
+shell in the directory the old one was in.
 """
 
 import asyncio
@@ -26,19 +34,23 @@ import signal
 import subprocess
 import time
 
+from .. import protocol
 from . import isolation
+from .procs import slot_level, tree_usage
 
 MARK = b"\x1e"
-INIT_LINES = (
-    "trap 'return 124 2>/dev/null' USR1\n"
-    "set +o history 2>/dev/null; shopt -s expand_aliases\n"
-)
+# On SIGUSR1 (a timeout) return from what is being sourced: the command, or a function
+# it runs. Not from the runner itself: a signal that comes just after the command ended
+# must not skip the end marker.
+TRAP = "trap 'case ${BASH_SOURCE[0]} in @RUNNERS@) ;; *) return 124 2>/dev/null;; esac' USR1\n"
+INIT_LINES = "set +o history 2>/dev/null; shopt -s expand_aliases\n"
 # Sourced for each command: the command, then the end marker with its exit code.
 # ``\\builtin printf``: a command that redefines printf cannot hide the marker.
 RUNNER = ("{ . @CMD@; } <@IN@\n"
           "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"\n")
 TERM_GRACE_S = 0.5
 SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replaced
+READY_TIMEOUT_S = 60.0  # a shell not ready by then is killed and its call fails
 
 
 class OutputCollector:
@@ -88,6 +100,10 @@ class OutputCollector:
             self._store(bytes(pend[:cut]))
             del pend[:cut]
 
+    def append(self, data):
+        """Add output that belongs to this command but came after its end marker."""
+        self._store(data)
+
     def finish(self, returncode=None):
         """End collection without a marker (shell died or was killed)."""
         if self.done.done():
@@ -136,7 +152,7 @@ def marker(omitted):
 
 
 class Shell:
-    """A persistent bash process for one slot (started lazily, restarted when it dies)."""
+    """A persistent bash process for one slot (started on demand, restarted when it dies)."""
 
     def __init__(self, slot, loop):
         self.slot = slot
@@ -147,7 +163,12 @@ class Shell:
         self.info_fd = None
         self.init_pid = None
         self.ns_link = None
+        self.bash_pid = None  # host pid of bash, known once the shell is ready
         self.collector = None
+        self.ready_collector = None  # waits for the marker that ends the init lines
+        self.starting = None  # the task that starts the shell, while it runs
+        self.kill_on_start = False  # kill() came before the shell could be killed
+        self.is_ready = False
         self.exit_status = None
         self.eof = None
         self.resume_dir = None
@@ -165,8 +186,56 @@ class Shell:
     def alive(self):
         return self.proc is not None and self.eof is not None and not self.eof.done()
 
+    @property
+    def ready(self):
+        """Whether a command can be written to the shell now (it runs and has read its init)."""
+        return self.is_ready and self.alive
+
     # -- lifecycle ---------------------------------------------------------
-    def spawn(self):
+    def ensure_ready(self):
+        """Start the shell unless it is ready or starting; return a future of the outcome.
+
+        The outcome is None once the shell is ready, else a failed ``call`` result
+        saying why it did not start (its output is what bwrap or bash printed). At most
+        ``agent.spawn_limiter`` shells of the sandbox start at once (the rest wait their
+        turn); ``Popen`` runs in ``agent.spawner`` (a thread), the rest on the loop.
+        """
+        if self.starting is None:
+            if self.ready:
+                fut = self.loop.create_future()
+                fut.set_result(None)
+                return fut
+            self.kill_on_start = False
+            self.starting = self.loop.create_task(self._start())
+        return self.starting
+
+    async def _start(self):
+        agent = self.slot.agent
+        try:
+            if self.proc is not None and not self.alive:
+                self.close_fds()  # it died; _on_output already reaped it
+                self.proc = None
+            elif self.proc is not None:
+                await self.stop()  # never became ready
+            async with agent.spawn_limiter:
+                if self.kill_on_start or agent.closing:
+                    return protocol_result("the slot's shell was stopped before it started", 1)
+                key = ("shell", self.slot.index)
+                agent.admission.hold(key)  # a starting shell weighs like a running command
+                try:
+                    spawned = await self.loop.run_in_executor(agent.spawner, self._popen)
+                except Exception as exc:  # noqa: BLE001 - reported as the call's result
+                    return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
+                else:
+                    self._attach(*spawned)
+                    return await self._wait_ready()
+                finally:
+                    agent.admission.release(key)
+        finally:
+            self.starting = None
+
+    def _popen(self):
+        """Start bwrap (or bash); blocking, so it runs in a worker thread."""
         slot = self.slot
         agent = slot.agent
         in_r, in_w = os.pipe()
@@ -174,29 +243,39 @@ class Shell:
         pass_fds = ()
         info_r = info_w = None
         bash = ["bash", "--noprofile", "--norc"]
-        if agent.isolation == "bwrap":
-            info_r, info_w = os.pipe()
-            pass_fds = (info_w,)
-            argv = isolation.bwrap_argv(
-                agent.bwrap, slot.ws_host, slot.ws_path, slot.ctl_host, agent.network,
-                agent.hide, "slot-%d" % slot.index, info_w, agent.tmpfs_mb) + bash
-            cwd = "/"
-        else:
-            argv = bash
-            cwd = slot.ws_host
-        preexec = isolation.make_preexec(
-            agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
-            agent.rlimits, slot.uid, slot.gid)
         try:
-            self.proc = subprocess.Popen(
+            if agent.isolation == "bwrap":
+                info_r, info_w = os.pipe()
+                pass_fds = (info_w,)
+                argv = isolation.bwrap_argv(
+                    agent.bwrap, slot.ws_host, slot.ws_path, slot.ctl_host, agent.network,
+                    agent.hide, "slot-%d" % slot.index, info_w, agent.tmpfs_mb) + bash
+                cwd = "/"
+            else:
+                argv = bash
+                cwd = slot.ws_host
+            preexec = isolation.make_preexec(
+                agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
+                agent.rlimits, slot.uid, slot.gid)
+            proc = subprocess.Popen(
                 argv, stdin=in_r, stdout=out_w, stderr=out_w, env=slot.env, cwd=cwd,
                 pass_fds=pass_fds, preexec_fn=preexec, close_fds=True,
                 start_new_session=(agent.isolation != "bwrap"))
+        except BaseException:
+            for fd in (in_w, out_r, info_r):
+                if fd is not None:
+                    os.close(fd)
+            raise
         finally:
             os.close(in_r)
             os.close(out_w)
             if info_w is not None:
                 os.close(info_w)
+        return proc, in_w, out_r, info_r
+
+    def _attach(self, proc, in_w, out_r, info_r):
+        """Take over a started shell: read its output, write its init lines and the ready marker."""
+        self.proc = proc
         self.stdin_fd = in_w
         self.out_fd = out_r
         self.info_fd = info_r
@@ -205,6 +284,8 @@ class Shell:
         os.set_blocking(out_r, False)
         self.init_pid = None
         self.ns_link = None
+        self.bash_pid = None
+        self.is_ready = False
         self.exit_status = None
         self.used = False
         self.eof = self.loop.create_future()
@@ -213,11 +294,71 @@ class Shell:
         runner = RUNNER.replace("@CMD@", ctl + "/cmd")
         self.runner = self.slot.write_ctl("r", runner.replace("@IN@", "/dev/null").encode())
         self.stdin_runner = self.slot.write_ctl("s", runner.replace("@IN@", ctl + "/stdin").encode())
-        start = INIT_LINES
+        nonce = os.urandom(4).hex()
+        self.ready_collector = OutputCollector(nonce.encode(), 4096, self.loop)
+        runners = "|".join(shell_quote(p) for p in (self.runner, self.stdin_runner))
+        start = TRAP.replace("@RUNNERS@", runners.replace("'", "'\\''")) + INIT_LINES  # in '...'
         if self.resume_dir:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
             self.resume_dir = None
-        self._write(start.encode())
+        start += "\\builtin printf '\\036%%s 0\\036\\n' %s\n" % nonce
+        try:
+            self._write(start.encode())
+        except OSError:
+            pass  # it died at once: its output and exit status say why
+        if self.kill_on_start or self.slot.agent.closing:
+            self.kill()
+
+    async def _wait_ready(self):
+        collector = self.ready_collector
+        expired = []
+
+        def expire():
+            expired.append(True)
+            self.kill()
+
+        timer = self.loop.call_later(READY_TIMEOUT_S, expire)
+        try:
+            ended = await collector.done
+        finally:
+            timer.cancel()
+            self.ready_collector = None
+        if ended and self.alive:
+            self.is_ready = True
+            self.bash_pid = self._find_bash()
+            return None
+        text, _ = collector.text()
+        status = self.exit_status
+        if expired:
+            why = "it was not ready within %gs (the machine is overloaded?)" % READY_TIMEOUT_S
+        elif self.slot.agent.closing:
+            why = "the sandbox was stopped (the backend is shutting down)"
+        else:
+            why = "it exited with status %s" % (status,)
+        return protocol_result("the slot's shell did not start: %s" % why,
+                               status if isinstance(status, int) and status > 0 else 1, text)
+
+    def _find_bash(self):
+        """Host pid of bash: the bwrap init's only child (or the process itself without bwrap)."""
+        if self.slot.agent.isolation != "bwrap":
+            return self.proc.pid
+        init = self._init()
+        if not init:
+            return None
+        try:
+            with open("/proc/%d/task/%d/children" % (init, init)) as fh:
+                kids = fh.read().split()
+        except OSError:
+            return None
+        return int(kids[0]) if len(kids) == 1 else None
+
+    def usage(self):
+        """``(wants_cpu, cpu_seconds)`` of the shell and what runs in it: whether a process
+        is runnable (R) or in disk wait (D), and the CPU time used since the shell started
+        (by processes still running and by those that ended)."""
+        if not self.ready or self.bash_pid is None:
+            return False, 0.0
+        return tree_usage(self.bash_pid)
 
     def _write(self, data):
         view = memoryview(data)
@@ -237,6 +378,12 @@ class Shell:
         except OSError:
             data = b""
         collector = self.collector
+        if self.ready_collector is not None:
+            ready = self.ready_collector
+            if data:
+                ready.feed(data)  # before the marker only bwrap or bash itself prints
+                return
+            ready.finish(None)  # EOF before the marker: handled below, then by _wait_ready
         if data:
             if collector is not None:
                 collector.feed(data)
@@ -289,6 +436,8 @@ class Shell:
 
     def shell_pid(self):
         """Host pid of bash itself."""
+        if self.bash_pid is not None and self.alive:
+            return self.bash_pid
         if self.slot.agent.isolation != "bwrap":
             return self.proc.pid if self.proc else None
         self._init()
@@ -304,11 +453,15 @@ class Shell:
         began after it did, except bash, init and background jobs' sessions."""
         keep_sids = set(self.slot.background_sids)
         since = self.cmd_started
+        cgroups = self.slot.agent.cgroups
         if self.slot.agent.isolation == "bwrap":
             self._init()
             if self.ns_link is None:
                 return []
-            procs = isolation.ns_processes(ns_link=self.ns_link)
+            if cgroups:  # the slot's cgroup holds exactly its processes: no scan of all /proc
+                procs = slot_level(cgroups.slot_pids(self.slot.index))
+            else:
+                procs = isolation.ns_processes(ns_link=self.ns_link)
             return [pid for pid, nspid, nssid, start in procs
                     if nspid not in (1, 2) and nssid not in keep_sids
                     and isolation.started_after(pid, start, since)]
@@ -347,6 +500,8 @@ class Shell:
         """
         slot = self.slot
         if self.proc is None:
+            if self.starting is not None:
+                self.kill_on_start = True  # it waits for its turn, or Popen runs in its thread
             return
         init = self._init()
         if init is None and self.info_fd is not None:
@@ -376,8 +531,16 @@ class Shell:
 
     async def stop(self):
         """Kill everything and wait (bounded) until the shell is reaped."""
+        starting = self.starting
+        if starting is not None and starting is not asyncio.current_task():
+            self.kill()  # ends a start in progress (at once, or as soon as Popen returns)
+            try:
+                await asyncio.wait_for(asyncio.shield(starting), READY_TIMEOUT_S)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
         if self.proc is None:
             return
+        self.is_ready = False
         self.kill()
         if self.eof is not None and not self.eof.done():
             try:
@@ -402,12 +565,7 @@ class Shell:
         output reader when the end marker arrives (no task or future on this path),
         or after the timeout/cancel procedure has killed what the command started.
         """
-        self.started_at = time.monotonic()
-        if self.proc is not None and not self.alive:
-            self.close_fds()  # it died; _on_output already reaped it
-            self.proc = None
-        if self.proc is None:
-            self.spawn()
+        self.started_at = time.monotonic()  # the timeout clock starts here, in a ready shell
         self.used = True  # from now on a reset must replace this shell
         nonce = os.urandom(4).hex()  # only this slot's own output could forge it
         self.cmd_started = isolation.process_clock()
@@ -426,9 +584,11 @@ class Shell:
             runner = self.runner if stdin_path == "/dev/null" else self.stdin_runner
             line = "__hmt_n=%s;. %s\n" % (nonce, runner)
         try:
+            if not self.alive:
+                raise OSError("the shell is gone")
             self._write(line.encode())
         except OSError:
-            collector.finish(self.exit_status)
+            collector.finish(self.exit_status)  # reported as the shell having exited
         self.timer = self.loop.call_later(timeout, self._on_timeout)
         if collector.done.done():
             self._complete()
@@ -542,6 +702,34 @@ class Shell:
         else:
             for pid in self.command_processes():
                 isolation._kill(pid, signal.SIGKILL)
+            await self._flush_job_notices(collector)
+
+    async def _flush_job_notices(self, collector):
+        """Collect bash's notices about the jobs just killed (``... Killed  sleep 100``)
+        into this command's output: bash prints them after the command line it runs
+        when it reaped them, which would otherwise be the next command's."""
+        for _ in range(50):  # at most about 0.5 s for bash (or the slot's init) to reap them
+            if not self.command_processes():
+                break
+            await asyncio.sleep(0.01)
+        if not self.alive:
+            return
+        nonce = os.urandom(4).hex()
+        flush = OutputCollector(nonce.encode(), collector.limit, self.loop)
+        self.collector = flush  # fed by _on_output; completes nothing while interrupting
+        try:
+            self._write((":\n\\builtin printf '\\036%%s 0\\036\\n' %s\n" % nonce).encode())
+            await asyncio.wait_for(asyncio.shield(flush.done), SHELL_GRACE_S)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            self.collector = collector
+        collector.append(bytes(flush.head) + bytes(flush.tail))
+
+
+def protocol_result(error, returncode, output=""):
+    """A failed ``call`` result (nothing of the command ran)."""
+    return protocol.call_result(output=output, error=error, returncode=returncode)
 
 
 def shell_quote(value):
