@@ -22,8 +22,8 @@ Environment (read when the process-wide manager is first built, and again after
 :func:`cleanup_all_environments`):
 
 - ``TERMINAL_ENV``: ``local`` (default; bubblewrap sandboxes on this machine) or
-  ``modal`` (the ``modal`` driver; until it ships every call returns an error
-  saying so).
+  ``modal`` (the ``modal`` driver: Modal sandboxes, with the Modal SDK's credentials;
+  ``MODAL_SERVER_URL`` may point at ``hermes_modal_tool.testing.modal_server``).
 - ``TERMINAL_MODAL_PROFILES_FILE``: a ``modal_profiles.yaml``; ``profile=`` picks
   one of its profiles. ``TERMINAL_MODAL_IMAGE``, ``TERMINAL_MODAL_APP_NAME`` and
   every other ``TERMINAL_MODAL_{KEY}`` set that key for every profile (see
@@ -138,8 +138,9 @@ def run_terminal_call(args: Mapping[str, Any], task_id: str | None = None,
         result = run_sync(_manager().execute(task_id or DEFAULT_TASK_ID, call, profile))
     except HermesModalToolError as exc:
         hint = ""
-        if "driver 'modal'" in str(exc) and _current is not None and _current.env_type == "modal":
-            hint = " (TERMINAL_ENV=modal selects it; TERMINAL_ENV=local runs the sandboxes on this machine)"
+        if _current is not None and _current.env_type == "modal" and (
+                "driver 'modal'" in str(exc) or "Modal credentials" in str(exc)):
+            hint = " (TERMINAL_ENV=modal selects Modal; TERMINAL_ENV=local runs the sandboxes on this machine)"
         return _error(f"{exc}{hint}")
     except Exception as exc:  # the agent loop gets a result, never an exception
         log.exception("terminal_tool failed")

@@ -43,7 +43,9 @@ class ToolBackend:
         profiles: several profiles by name (instead of ``config``).
         default_profile: the profile ``acquire`` uses when none is named.
         app_name: prefix for each profile's app name (``"{app_name}-{profile}"``).
-        driver_options: passed to each driver (e.g. ``state_root`` for local).
+        driver_options: options per driver name, e.g. ``{"local": {"state_root": path},
+            "modal": {"create_rate": 10, "max_starting": 8}}`` (see ``LocalDriver`` and
+            ``ModalDriver``).
     """
 
     def __init__(
@@ -83,6 +85,10 @@ class ToolBackend:
         self.default_profile = default_profile
         self.app_name = app_name
         self._driver_options = dict(driver_options or {})
+        for key, value in self._driver_options.items():
+            if key not in ("local", "modal") or not isinstance(value, Mapping):
+                raise ConfigError(f"driver_options: key {key!r} must be a driver name ('local' or "
+                                  f"'modal') mapping to that driver's options, got {value!r:.80}")
         self._drivers: dict[str, Driver] = {}
         self._pools: dict[str, SandboxPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
@@ -209,7 +215,8 @@ class ToolBackend:
                 cfg = self.profile(name)
                 driver = self._drivers.get(cfg.driver)
                 if driver is None:
-                    driver = self._drivers[cfg.driver] = make_driver(cfg.driver, **self._driver_options)
+                    driver = self._drivers[cfg.driver] = make_driver(
+                        cfg.driver, **self._driver_options.get(cfg.driver, {}))
                 pool = SandboxPool(cfg, driver)
                 self._pools[name] = pool
                 await pool.start()
@@ -273,7 +280,17 @@ class ToolBackend:
                 ``list_files``, ``read_artifact``, ``list_artifacts``,
                 ``archive_artifacts``.
             timeout_s: per-call timeout in seconds (default: the profile's
-                ``execution_timeout_s``; a bash call's own ``timeout`` wins).
+                ``execution_timeout_s``; a bash call's own ``timeout`` wins). It
+                measures the command's own run time: the clock starts when the
+                command starts in its slot's shell, not while the call waits for
+                an earlier call to the same slot, for the slot's shell to start, or
+                for admission. A sandbox starts new commands only while fewer than
+                4 per CPU of its ``cpu`` limit are computing (commands that sleep or
+                wait for I/O do not count; one counts until it ends or has used 1 s
+                of CPU; a burst of up to 8 times as many may start at once, since
+                most commands end within 20 ms) and queues the others, first come
+                first served. On an overloaded machine a call can therefore take
+                longer than its timeout to come back without having timed out.
 
         Returns:
             One ExecutionResult per request. A timed-out command has
@@ -341,10 +358,14 @@ class ToolBackend:
                     outcomes = await asyncio.gather(*futures, return_exceptions=True)
             except asyncio.CancelledError:
                 # Awaiting a future and being cancelled cancels the future too: tell the
-                # agent to stop every call that has not answered.
-                for _, _, _, _, sb, mid, fut, _ in waiting:
+                # agent to stop every call that has not answered; last ones first and in
+                # one write per sandbox, so a call queued behind a cancelled one in its
+                # slot is dropped before that one ends, never started.
+                for _, _, _, _, sb, mid, fut, _ in reversed(waiting):
                     if not fut.done() or fut.cancelled():
-                        sb.cancel(mid)
+                        sb.cancel(mid, flush=False)
+                for sb in touched:
+                    sb.flush()
                 raise
             for (i, pool, tool, slot, _sb, _mid, _fut, eid), outcome in zip(waiting, outcomes, strict=True):
                 results[i] = pool.to_result(slot, tool, outcome, eid)

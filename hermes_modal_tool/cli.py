@@ -36,6 +36,7 @@ from .config import SandboxConfig, load_profiles
 from .errors import ConfigError, HermesModalToolError
 from .protocol import MAX_TIMEOUT_S, TIMEOUT_EXIT_CODE, TOOL_ARGS, TOOLS, check_args
 from .slots import ExecutionResult
+from .status import status_table
 
 OUTPUT_CAP = 2000
 #: Exit code of ``exec`` when the engine could not run the command (as ``docker run``).
@@ -367,14 +368,15 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(trajectories)))
         t_end = time.monotonic()
-        sandboxes = sum(p.get("sandboxes_started", 0) for p in backend.get_status()["pools"].values())
+        final_status = backend.get_status()
+        sandboxes = sum(p.get("sandboxes_started", 0) for p in final_status["pools"].values())
     finally:
         await backend.stop()
     return {"trajectories": len(trajectories), "ok": ok, "calls": len(stats.latencies),
             "not_run": stats.not_run, "failed_calls": stats.failed_calls, "mismatches": stats.mismatches,
             "startup_s": t_run - t_start, "run_s": t_end - t_run, "wall_s": t_end - t_start,
             "p50": percentile(stats.latencies, 50), "p99": percentile(stats.latencies, 99),
-            "sandboxes": sandboxes}
+            "sandboxes": sandboxes, "status": final_status}
 
 
 def _ms(seconds: float | None) -> str:
@@ -469,6 +471,7 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
         if stream is not sys.stdout:
             stream.close()
     console.print(summary_table(summary))
+    console.print(status_table(summary["status"], title="pools at the end of the batch"))
     failed = summary["trajectories"] - summary["ok"]
     if failed:
         console.print(f"[red]{failed} trajector{'y' if failed == 1 else 'ies'} did not meet "
@@ -563,3 +566,48 @@ def profiles_check(file: str) -> None:
     if modal_users and find_spec("modal") is None:
         console.print(f"note: profile(s) {', '.join(modal_users)} use the modal driver; install "
                       "it with: pip install 'hermes-modal-tool[modal]'", markup=False)
+
+
+@main.group("modal")
+def modal_group() -> None:
+    """Manage Modal sandboxes this package created (needs the modal extra)."""
+
+
+@modal_group.command("gc")
+@click.option("--app", "app_name", help="Only sandboxes of this Modal app (default: every app).")
+@click.option("--dry-run", is_flag=True, help="List the orphans, terminate nothing.")
+@click.option("--include-other-hosts", is_flag=True,
+              help="Also terminate sandboxes whose owner ran on another host (cannot be checked).")
+def modal_gc(app_name: str | None, dry_run: bool, include_other_hosts: bool) -> None:
+    """Terminate sandboxes tagged by hermes-modal-tool whose owning process is gone.
+
+    Each sandbox carries its creator's host, pid and pid start time as tags. On this
+    host a sandbox is an orphan when that process no longer runs; sandboxes of other
+    hosts are only listed unless --include-other-hosts. Credentials come from
+    MODAL_TOKEN_ID/MODAL_TOKEN_SECRET or ~/.modal.toml, as for the SDK.
+    Exit code 0, or 1 when a sandbox could not be terminated or Modal refused.
+    """
+    if find_spec("modal") is None:
+        click.echo("the modal extra is not installed: pip install 'hermes-modal-tool[modal]'", err=True)
+        sys.exit(2)
+    from .drivers.modal import collect_orphans
+
+    console = _console()
+    try:
+        orphans = asyncio.run(collect_orphans(app_name=app_name, terminate=not dry_run,
+                                              include_unknown=include_other_hosts))
+    except HermesModalToolError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    table = Table(title=f"{len(orphans)} orphaned sandbox(es)", title_justify="left")
+    for col in ("sandbox", "app", "profile", "owner", "owner alive", "action"):
+        table.add_column(col)
+    failed = 0
+    for o in orphans:
+        alive = {None: "unknown (other host)", False: "no", True: "yes"}[o.owner_alive]
+        action = ("terminated" if o.terminated else f"failed: {o.error}" if o.error
+                  else "listed (dry run)" if dry_run else "kept (other host)")
+        failed += bool(o.error)
+        table.add_row(o.sandbox_id, o.app, o.profile, o.owner, alive, action)
+    console.print(table)
+    sys.exit(1 if failed else 0)

@@ -91,6 +91,10 @@ class SandboxConfig(BaseModel):
     slot_memory: int | None = Field(None, gt=0, description="Memory limit per slot, MiB (default: memory).")
     pids_limit: int = Field(512, ge=8, le=1_000_000, description="Processes per slot.")
     output_limit: int = Field(50_000, ge=100, le=100_000_000, description="Output cap per call, characters.")
+    add_python: str = Field(
+        "auto", pattern=r"^(auto|no|3\.\d{1,2})$",
+        description="Modal: Python to add to the image for the agent: 'auto' (3.11 unless the "
+                    "image's name says it has Python), 'no', or a version such as '3.12'.")
 
     @field_validator("workspace_base")
     @classmethod

@@ -9,7 +9,8 @@ Modal SDK, bubblewrap) are translated here, so callers never import theirs::
     │   └── SecretNotFoundError      a profile names a secret no source has
     ├── SandboxError                 a sandbox could not be used
     │   ├── SandboxStartError        a sandbox failed to start
-    │   │   └── IsolationUnavailableError   bubblewrap / user namespaces missing
+    │   │   ├── IsolationUnavailableError   bubblewrap / user namespaces missing
+    │   │   └── CredentialsError     Modal found or accepted no credentials
     │   └── SandboxDiedError         a sandbox's agent exited or was killed
     ├── PoolTimeoutError             no slot became free within acquire_timeout_s
     ├── CommandTimeoutError          (only raised by helpers that raise; tool calls
@@ -58,6 +59,14 @@ class SandboxStartError(SandboxError):
 
 class IsolationUnavailableError(SandboxStartError):
     """Raised when bubblewrap or user namespaces are unavailable on this machine."""
+
+
+class CredentialsError(SandboxStartError):
+    """Raised when the Modal driver finds no credentials or Modal rejects them.
+
+    The message says which source was read (environment variables or a
+    ``~/.modal.toml`` profile), never the secret itself.
+    """
 
 
 class SandboxDiedError(SandboxError):

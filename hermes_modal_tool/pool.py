@@ -447,6 +447,7 @@ class SandboxPool:
         total = sum(len(r) for r in self._records.values())
         held = sum(1 for recs in self._records.values() for r in recs if r.holder is not None)
         return {
+            "driver": self.config.driver,
             "sandboxes": self._live(),
             "healthy_sandboxes": sum(1 for s in self._sandboxes.values() if not s.dead),
             "starting_sandboxes": self._starting,

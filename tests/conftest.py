@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -87,3 +87,68 @@ async def backend(make_backend: BackendFactory) -> ToolBackend:
 async def slot(backend: ToolBackend) -> Slot:
     """A slot held by trajectory ``"traj-test"`` in ``backend``."""
     return await backend.acquire("traj-test")
+
+
+@pytest.fixture(scope="session")
+def modal_server_session() -> Iterator[Any]:
+    """The package's local Modal control plane, serving on its own thread for the session."""
+    from hermes_modal_tool.testing.modal_server import serve_in_thread
+
+    with serve_in_thread() as server:
+        yield server
+
+
+@pytest.fixture
+def modal_server(modal_server_session: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The local Modal control plane, with this test's environment pointing the real
+    ``modal`` SDK at it (``MODAL_SERVER_URL``, dummy tokens). Run its coroutines with
+    :func:`on_server`."""
+    for key, value in modal_server_session.env().items():
+        monkeypatch.setenv(key, value)
+    return modal_server_session
+
+
+async def on_server(server: Any, coro: Any) -> Any:
+    """Await ``coro`` on the local Modal server's own event loop."""
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, server.loop))
+
+
+def running_sandboxes(server: Any, profile: str) -> list[Any]:
+    """The server's running sandboxes created for ``profile`` (by its tag)."""
+    return [r for r in list(server.sandboxes.values())
+            if r.tags.get("hmt-profile") == profile and r.status == "running"]
+
+
+@pytest.fixture(params=["local", "modal"])
+def driver(request: pytest.FixtureRequest) -> str:
+    """Each shared behaviour test runs once per driver; ``modal`` runs against the
+    local Modal control plane."""
+    if request.param == "modal":
+        request.getfixturevalue("modal_server")
+    return request.param
+
+
+@pytest.fixture
+async def driver_backend(make_backend: BackendFactory, driver: str, request: pytest.FixtureRequest):
+    """``make_backend`` for the parametrized ``driver``; for Modal it also checks that
+    ``stop()`` left no sandbox running on the server."""
+    made: list[ToolBackend] = []
+
+    async def factory(**fields: Any) -> ToolBackend:
+        if "profiles" in fields:
+            fields["profiles"] = {n: c.model_copy(update={"driver": driver})
+                                  for n, c in fields["profiles"].items()}
+        else:
+            fields["driver"] = driver
+        backend = await make_backend(**fields)
+        made.append(backend)
+        return backend
+
+    yield factory
+    if driver == "modal":
+        server = request.getfixturevalue("modal_server")
+        for backend in made:
+            make_backend.note(backend)
+            await asyncio.wait_for(backend.stop(), 60)
+            for name in backend.profiles:
+                assert not running_sandboxes(server, name), f"sandboxes of {name} left running"

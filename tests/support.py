@@ -191,3 +191,12 @@ def portal_backend(prefix: str, sizes: dict[str, Any], **fields: Any) -> Iterato
         procs, dirs = run_sync(leftovers.remaining())
         assert not procs, f"processes left behind after stop(): {describe(procs)}"
         assert not dirs, f"state directories left behind after stop(): {sorted(dirs)}"
+
+
+def notebook_text(nb: Any) -> str:
+    """Every code cell's text output (stream text, else ``text/plain``), joined by newlines."""
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            parts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)

@@ -22,6 +22,7 @@ EXPECTED_ALL = [
     "BackendClosedError",
     "CommandTimeoutError",
     "ConfigError",
+    "CredentialsError",
     "ExecutionResult",
     "HermesModalToolError",
     "IsolationUnavailableError",

@@ -9,26 +9,24 @@ __all__ = ["Driver", "SandboxHandle", "make_driver"]
 
 
 def make_driver(name: str, **options) -> Driver:
-    """Return a new driver by name (``"local"``; ``"modal"`` once its extra is installed).
+    """Return a new driver by name: ``"local"`` or ``"modal"`` (needs the ``modal`` extra).
+
+    ``options`` are the driver's keyword arguments (see ``LocalDriver`` and ``ModalDriver``).
 
     Raises:
-        ConfigError: the name is unknown or its extra is not installed.
+        ConfigError: the name is unknown, its extra is not installed, or an option is bad.
     """
     if name == "local":
-        from .local import LocalDriver
-
-        return LocalDriver(**options)
-    if name == "modal":
-        from importlib.util import find_spec
-
-        if find_spec(f"{__name__}.modal") is None:
-            raise ConfigError(
-                "driver 'modal' is not part of this version of hermes-modal-tool yet; "
-                "use driver='local' (e.g. ModalSandboxConfig(..., driver='local'))")
+        from .local import LocalDriver as cls
+    elif name == "modal":
         try:
-            from .modal import ModalDriver  # type: ignore[import-not-found]
+            from .modal import ModalDriver as cls
         except ImportError as exc:
             raise ConfigError(f"driver 'modal' needs the Modal SDK ({exc}); "
                               "install 'hermes-modal-tool[modal]' or use driver='local'") from None
-        return ModalDriver(**options)
-    raise ConfigError(f"unknown driver {name!r}; known drivers: local, modal")
+    else:
+        raise ConfigError(f"unknown driver {name!r}; known drivers: local, modal")
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ConfigError(f"driver {name!r}: bad driver_options {sorted(options)}: {exc}") from None

@@ -119,6 +119,12 @@ class LocalHandle(SandboxHandle):
 
     def poll(self) -> str | None:
         code = self.proc.poll()
+        if code is None and self._output.closed:
+            # Its stdout just closed: the agent is exiting; wait (briefly) to say how.
+            try:
+                code = self.proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                return None
         if code is None:
             return None
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"

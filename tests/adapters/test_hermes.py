@@ -209,9 +209,12 @@ def test_configuration_errors_come_back_as_json(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.delenv("TERMINAL_MODAL_PROFILES_FILE")
     monkeypatch.setenv("TERMINAL_ENV", "modal")
-    assert check_terminal_requirements() is False
+    for var in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_SERVER_URL"):
+        monkeypatch.delenv(var, raising=False)
+    assert check_terminal_requirements() is True  # the driver is installed
     out = run("echo hi")
-    assert out["exit_code"] == -1 and "driver 'modal'" in out["error"]
+    assert out["exit_code"] == -1 and "no Modal credentials" in out["error"], out
+    assert "MODAL_TOKEN_ID" in out["error"] and "TERMINAL_ENV=local" in out["error"]
     cleanup_all_environments()
 
     monkeypatch.setenv("TERMINAL_ENV", "docker")

@@ -44,6 +44,7 @@ BAD: dict[str, list[Any]] = {
     "slot_memory": [0, -1, "1G", 1.5, []],
     "pids_limit": [0, 7, -1, 10**7, "many", None],
     "output_limit": [0, 99, -1, 10**9, "big", None],
+    "add_python": ["2.7", "3", "latest", "", 3.11, None],
 }
 CASES = [(f, v) for f in FIELDS for v in BAD.get(f, [])]
 
