@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 
@@ -67,3 +68,80 @@ def become_subreaper() -> bool:
         return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         return False
+
+
+# -- CPU accounting for one measured step (added for modal_rpc.py) ---------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent not idle (``/proc/stat``)."""
+    with open("/proc/stat") as fh:
+        f = [int(x) for x in fh.readline().split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / TICK
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of process ``root`` (all its threads), of its reaped children, and of its
+    live descendants (``/proc/PID/schedstat``, nanoseconds)."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system if root == os.getpid() else 0.0
+    for pid in descendants(root, live_only=True) + ([] if root == os.getpid() else [root]):
+        try:
+            with open(f"/proc/{pid}/schedstat") as fh:
+                total += int(fh.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def others_cpu() -> dict[tuple[int, str], float]:
+    """CPU seconds so far of every process outside this process tree, keyed by (pid, start)."""
+    mine = set(descendants(os.getpid())) | {os.getpid()}
+    out = {}
+    for pid, fields in proc_stats():
+        if pid in mine:
+            continue
+        try:
+            with open(f"/proc/{pid}/schedstat") as fh:
+                out[(pid, fields[19])] = int(fh.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+class CpuStep:
+    """Wall time of a step and the cores busy outside this process tree meanwhile.
+
+    ``with CpuStep("label") as step: ...`` then ``step.result()``: ``wall_s``, ``own_cpu_s``
+    (this process and its descendants) and the cores busy elsewhere per second of wall time,
+    as bounds: ``other_cores_low`` counts processes alive at both ends, ``other_cores``
+    (the upper bound) is the machine's busy time minus ours (it also counts processes that
+    came and went, and descendants of ours that exited unreaped).
+    """
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.wall_s = self.own_cpu_s = self.other_cpu_s = self.other_low_s = math.nan
+
+    def __enter__(self) -> CpuStep:
+        self._others0 = others_cpu()
+        self._t0, self._busy0 = time.perf_counter(), busy_cpu_s()
+        self._own0 = tree_cpu_s(os.getpid())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        busy = busy_cpu_s() - self._busy0
+        self.own_cpu_s = min(max(0.0, tree_cpu_s(os.getpid()) - self._own0), busy)
+        self.other_cpu_s = busy - self.own_cpu_s
+        others = others_cpu()
+        self.other_low_s = min(self.other_cpu_s, sum(
+            max(0.0, v - self._others0[k]) for k, v in others.items() if k in self._others0))
+
+    def result(self) -> dict[str, float | str]:
+        wall = self.wall_s or math.nan
+        return {"step": self.label, "wall_s": self.wall_s, "own_cpu_s": self.own_cpu_s,
+                "other_cpu_s": self.other_cpu_s, "other_cores": self.other_cpu_s / wall,
+                "other_cores_low": self.other_low_s / wall, "own_cores": self.own_cpu_s / wall}

@@ -7,16 +7,9 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from support import notebook_text
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "hermes_adapter.ipynb"
-
-
-def outputs_text(nb: nbformat.NotebookNode) -> str:
-    parts = []
-    for cell in nb.cells:
-        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            parts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
-    return "\n".join(parts)
 
 
 def check_story(text: str) -> None:
@@ -36,7 +29,7 @@ def test_notebook_is_committed_with_outputs() -> None:
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count for c in code)
     assert not any(out.get("output_type") == "error" for c in code for out in c.outputs)
-    check_story(outputs_text(nb))
+    check_story(notebook_text(nb))
 
 
 def test_notebook_runs() -> None:
@@ -46,4 +39,4 @@ def test_notebook_runs() -> None:
             cell.outputs = []
     NotebookClient(nb, timeout=60, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on error
-    check_story(outputs_text(nb))
+    check_story(notebook_text(nb))
