@@ -14,7 +14,14 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               capabilities (python version, isolation, limit mode).
 ``call``      ``{"slot": int, "tool": str, "args": {...}, "timeout": float}``: run one
               tool call in a slot. Calls to one slot run one at a time, in arrival
-              order; calls to different slots run concurrently.
+              order; calls to different slots run concurrently. A ``bash`` call's
+              timeout (``args["timeout"]``, else ``timeout``) is its command's own run
+              time: the clock starts when the command is handed to the slot's shell,
+              after the call has waited (1) for earlier calls of its slot, (2) for
+              the slot's shell to start, and (3) for admission: a sandbox whose CPU
+              is taken (by commands that compute, not by ones that sleep or wait on
+              I/O) queues further commands, first come first served (see
+              ``hermes_modal_tool/agent/admission.py``).
 ``reset``     ``{"slot": int}``: kill the slot's shell and every process it started,
               empty its workspace. The next call gets a fresh shell.
 ``cancel``    ``{"target": int}``: stop the call with id ``target`` (kills what it
@@ -24,6 +31,11 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 
 Responses (agent -> host): ``{"id": int, "ok": bool, "error": str?, "result": {...}}``.
 For ``call`` the result has the keys of :data:`RESULT_KEYS`.
+
+Events (agent -> host, no response expected): ``{"id": 0, "event": str, "target": int}``.
+``queued``: call ``target`` has waited a while (5 s, or half its timeout when that
+is shorter) and has not started yet; ``started``: its command started (sent only
+after ``queued``). The host does not count the wait between them against the call.
 """
 
 import json
