@@ -200,3 +200,15 @@ def notebook_text(nb: Any) -> str:
         for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
             parts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
     return "\n".join(parts)
+
+
+def committed_notebook(path: Any) -> Any:
+    """Read a committed notebook and check it is valid, fully executed and error-free."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count for c in code), f"{path}: not every cell was run"
+    assert not any(out.get("output_type") == "error" for c in code for out in c.outputs), path
+    return nb

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from support import notebook_text
+from support import committed_notebook, notebook_text
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "hermes_adapter.ipynb"
 
@@ -24,11 +24,7 @@ def check_story(text: str) -> None:
 
 
 def test_notebook_is_committed_with_outputs() -> None:
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.execution_count for c in code)
-    assert not any(out.get("output_type") == "error" for c in code for out in c.outputs)
+    nb = committed_notebook(NOTEBOOK)
     check_story(notebook_text(nb))
 
 
