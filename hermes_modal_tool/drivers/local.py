@@ -95,6 +95,7 @@ class LocalHandle(SandboxHandle):
         self._stderr_path = stderr_path
         self._cleanup = cleanup
         self._cgroup = cgroup
+        self._close_task: asyncio.Task | None = None
 
     async def read(self) -> bytes:
         out = self._output
@@ -108,10 +109,20 @@ class LocalHandle(SandboxHandle):
         for chunk in out.buffer:
             on_data(chunk)
         out.buffer.clear()
-        out.on_data, out.on_close = on_data, on_close
+
+        def closed() -> None:
+            # The agent is exiting: report the close once it is reaped (bounded), so
+            # poll() can say how it ended, without blocking the loop.
+            self._close_task = asyncio.get_running_loop().create_task(self._report_close(on_close))
+
+        out.on_data, out.on_close = on_data, closed
         if out.closed:
-            on_close()
+            closed()
         return True
+
+    async def _report_close(self, on_close) -> None:
+        await _wait_exit(self.proc, 0.5)
+        on_close()
 
     def write(self, data: bytes) -> None:
         if not self._writer.is_closing():
@@ -119,12 +130,6 @@ class LocalHandle(SandboxHandle):
 
     def poll(self) -> str | None:
         code = self.proc.poll()
-        if code is None and self._output.closed:
-            # Its stdout just closed: the agent is exiting; wait (briefly) to say how.
-            try:
-                code = self.proc.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                return None
         if code is None:
             return None
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -146,6 +151,8 @@ class LocalHandle(SandboxHandle):
         if self.proc.poll() is None:
             _killpg(self.proc.pid, signal.SIGKILL)
             await _wait_exit(self.proc, 3.0)
+        if self._close_task is not None:
+            await self._close_task
         # The agent removes its own state; after a kill -9 we do.
         for path in self._cleanup:
             await _rmtree(path)
