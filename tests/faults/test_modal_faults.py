@@ -74,13 +74,20 @@ async def test_modal_ending_a_sandbox_mid_batch_fails_its_calls_with_the_reason(
     assert (await bash(backend, fresh, "echo replaced")).output == "replaced\n"
 
 
-async def test_rate_limited_creates_are_retried_without_duplicates(modal_backend, modal_server):
-    modal_server.fail_next_creates(2)
+@pytest.mark.parametrize("fault, expected", [
+    # Two rate-limit refusals: retried after a lookup by tag finds nothing.
+    (lambda server: server.fail_next_creates(2), {"create_retries": 2, "created": 1}),
+    # Four lost replies: the SDK's three retries all fail too, so the driver sees an
+    # error although the sandbox exists; it finds it by its create tag.
+    (lambda server: server.lose_create_replies(4), {"adopted_after_error": 1, "create_retries": 0}),
+], ids=["rate-limited", "reply-lost"])
+async def test_failed_creates_end_with_exactly_one_sandbox(modal_backend, modal_server, fault, expected):
+    fault(modal_server)
     backend = await modal_backend(min_sandboxes=1, max_sandboxes=1)
     stats = backend.get_status()["drivers"]["modal"]
-    assert stats["create_retries"] == 2 and stats["created"] == 1
+    assert {k: stats[k] for k in expected} == expected
     assert len(running_sandboxes(modal_server, backend.default_profile)) == 1
-    slot = await backend.acquire("after-rate-limit")
+    slot = await backend.acquire("after-the-fault")
     assert (await bash(backend, slot, "echo ok")).output == "ok\n"
 
 
@@ -152,14 +159,3 @@ async def test_modal_gc_terminates_what_a_killed_owner_left(modal_server, make_b
         if record.tags.get("hmt-profile") == profile:
             assert record.live_execs == 0
 
-
-async def test_a_create_whose_reply_was_lost_is_adopted_not_duplicated(modal_backend, modal_server):
-    # Four lost replies: the SDK's three retries all fail too, so the driver sees an
-    # error although the sandbox exists; it finds it by its create tag.
-    modal_server.lose_create_replies(4)
-    backend = await modal_backend(min_sandboxes=1, max_sandboxes=1)
-    stats = backend.get_status()["drivers"]["modal"]
-    assert stats["adopted_after_error"] == 1 and stats["create_retries"] == 0
-    assert len(running_sandboxes(modal_server, backend.default_profile)) == 1
-    slot = await backend.acquire("adopted")
-    assert (await bash(backend, slot, "echo ok")).output == "ok\n"
