@@ -28,11 +28,11 @@ from .errors import ConfigError
 DriverName = Literal["local", "modal"]
 
 # The terminal tool's words and the Modal sandbox's word for our fields.
-ALIASES = {"min_pool": "min_sandboxes", "max_pool": "max_sandboxes", "workdir": "workspace_base"}
+ALIASES = {"min_pool": "min_sandboxes", "max_pool": "max_sandboxes"}
 ENV_PREFIXES = ("ATROPOS_MODAL_", "TERMINAL_MODAL_")
 # Environment keys that differ from the field name (the original's spellings).
 ENV_KEYS = {"ACQUIRE_TIMEOUT": "acquire_timeout_s", "EXECUTION_TIMEOUT": "execution_timeout_s",
-            "MIN_POOL": "min_sandboxes", "MAX_POOL": "max_sandboxes", "WORKDIR": "workspace_base"}
+            "MIN_POOL": "min_sandboxes", "MAX_POOL": "max_sandboxes"}
 # Variables with these prefixes that are not profile keys (MODE is set by Hermes's CLI).
 _NOT_FROM_ENV = {"PROFILES", "PROFILES_FILE", "DEFAULT_PROFILE", "MODE"}
 
@@ -84,6 +84,12 @@ class SandboxConfig(BaseModel):
     secrets: list[str] = Field(default_factory=list, description="Secret names (Modal secrets, or local .env files).")
     env_vars: dict[str, str] = Field(default_factory=dict)
     workspace_base: str = Field("/data", description="Slots live at {workspace_base}/slot_{N}.")
+    workdir: str | None = Field(
+        None, description="The shell's starting directory in each slot (created in the slot's own "
+                          "root if missing); default: the slot's workspace.")
+    slot_disk: int | None = Field(
+        None, gt=0, le=16 * 1024 * 1024,
+        description="Disk a slot may write (its writable layer and workspace), MiB; default: no limit.")
     scale_down_idle: bool = Field(True, description="Stop idle sandboxes after idle_timeout.")
     network: bool = Field(True, description="False: loopback only inside each slot.")
     isolation: Literal["bwrap", "none"] = Field(
@@ -96,9 +102,11 @@ class SandboxConfig(BaseModel):
         description="Modal: Python to add to the image for the agent: 'auto' (3.11 unless the "
                     "image's name says it has Python), 'no', or a version such as '3.12'.")
 
-    @field_validator("workspace_base")
+    @field_validator("workspace_base", "workdir")
     @classmethod
-    def _absolute(cls, value: str) -> str:
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         if not value.startswith("/") or "\x00" in value or "\n" in value:
             raise ValueError(f"must be an absolute path, got {value!r}")
         parts = [p for p in value.split("/") if p]

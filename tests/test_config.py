@@ -82,7 +82,7 @@ def test_both_vocabularies(tmp_path):
     profiles, default = load(path)
     assert default == "atropos"
     assert (profiles["terminal"].min_sandboxes, profiles["terminal"].max_sandboxes) == (2, 4)
-    assert profiles["terminal"].workspace_base == "/work"
+    assert profiles["terminal"].workdir == "/work"
     assert (profiles["atropos"].min_sandboxes, profiles["atropos"].max_sandboxes) == (0, 3)
     assert profiles["atropos"].slots_per_sandbox == 8
 
