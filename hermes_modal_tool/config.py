@@ -87,6 +87,10 @@ class SandboxConfig(BaseModel):
     workdir: str | None = Field(
         None, description="The shell's starting directory in each slot (created in the slot's own "
                           "root if missing); default: the slot's workspace.")
+    filesystem: Literal["auto", "overlay", "workspace-only"] = Field(
+        "auto", description="Each slot's root: 'overlay' (a private copy-on-write root, the slot "
+                            "is root in it), 'workspace-only' (the sandbox's root read-only, only "
+                            "the workspace writable), or 'auto' (overlay where the machine allows).")
     slot_disk: int | None = Field(
         None, gt=0, le=16 * 1024 * 1024,
         description="Disk a slot may write (its writable layer and workspace), MiB; default: no limit.")

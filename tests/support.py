@@ -167,6 +167,12 @@ def settle(check: Callable[[], Any], timeout: float = 5.0) -> Awaitable[Any]:
     return eventually(fetch, bool, timeout)
 
 
+def layered(backend: ToolBackend) -> bool:
+    """True when the backend's slots have a layered root of their own (filesystem: overlay)."""
+    pools = backend.get_status()["pools"]
+    return all(p.get("filesystem") == "overlay" for p in pools.values())
+
+
 async def bash(backend: ToolBackend, slot: Slot, command: str, **args: Any) -> ExecutionResult:
     """Run one bash command in ``slot``; return its ExecutionResult."""
     [result] = await backend.execute_batch([(slot, "bash", {"command": command, **args})])

@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 
 import pytest
-from support import bash
+from support import bash, layered
 
 from hermes_modal_tool import ExecutionResult
 
@@ -70,7 +70,9 @@ async def test_slot_cannot_write_another_slots_files(backend, two_slots):
     assert r.output.split() == ["top-secret", "d", "secret.txt"]
 
 
-async def test_file_tools_stay_in_the_workspace(backend, two_slots):
+async def test_file_tools_see_only_the_slots_own_view(backend, two_slots):
+    """File tools resolve paths in the slot's own root: absolute paths work, and nothing of
+    another slot (or of the host beyond the slot's copy-on-write view) is reachable."""
     a, b = two_slots
     other = a.workspace_dir
     await bash(backend, b, f"ln -s {other}/secret.txt abs_link; ln -s ../../etc/passwd rel_link; "
@@ -79,38 +81,44 @@ async def test_file_tools_stay_in_the_workspace(backend, two_slots):
     refused = [
         ("read_file", {"path": f"{other}/secret.txt"}),
         ("read_file", {"path": "../" + Path(other).name + "/secret.txt"}),
-        ("read_file", {"path": "/etc/passwd"}),
         ("read_file", {"path": "abs_link"}),
-        ("read_file", {"path": "rel_link"}),
-        ("read_file", {"path": "etc_dir/passwd"}),
         ("read_file", {"path": "other_dir/secret.txt"}),
         ("read_artifact", {"path": "abs_link"}),
-        ("list_files", {"path": "etc_dir"}),
-        ("list_files", {"path": ".."}),
-        ("write_file", {"path": f"{other}/x.txt", "content": "pwned"}),
-        ("write_file", {"path": "other_dir/x.txt", "content": "pwned"}),
-        ("write_file", {"path": "abs_link", "content": "pwned"}),
-        ("write_file", {"path": "etc_dir/pwned", "content": "pwned"}),
-        ("write_file", {"path": "../x.txt", "content": "pwned"}),
+        ("list_files", {"path": other}),
         ("archive_artifacts", {"path": "other_dir"}),
+        ("write_file", {"path": "other_dir/x.txt", "content": "pwned"}),  # b's own copy
     ]
     results = await backend.execute_batch([(b, tool, args) for tool, args in refused])
     for (tool, args), r in zip(refused, results, strict=True):
-        assert not r.success, (tool, args, r.output[:200])
-        assert "top-secret" not in r.output and "root:" not in r.output, (tool, args)
-    # A symlink that stays inside the workspace is fine.
-    r = await call(backend, b, "read_file", path="ok_link")
-    assert r.success and r.output == "mine\n"
-    r = await bash(backend, a, "cat secret.txt; ls -A")
-    assert r.output.split() == ["top-secret", "d", "secret.txt"]
+        assert "top-secret" not in r.output and "secret.txt" not in r.output, (tool, args)
+        if tool != "write_file":
+            assert not r.success, (tool, args, r.output[:200])
+    # The slot's own root: absolute paths, links inside it, writes anywhere in it.
+    own = [("read_file", {"path": "/etc/passwd"}), ("read_file", {"path": "rel_link"}),
+           ("read_file", {"path": "etc_dir/passwd"}), ("list_files", {"path": "/"}),
+           ("write_file", {"path": "etc_dir/pwned", "content": "mine"}),
+           ("write_file", {"path": "../x.txt", "content": "mine"}),
+           ("read_file", {"path": "ok_link"})]
+    results = await backend.execute_batch([(b, tool, args) for tool, args in own])
+    for (tool, args), r in zip(own, results, strict=True):
+        assert r.success, (tool, args, r.error)
+    assert results[0].output.startswith("root:") and results[-1].output == "mine\n"
+    assert results[5].metadata["path"] == str(Path(b.workspace_dir).parent / "x.txt")
+    # Nothing of it reached the host or the other slot.
+    assert not host_has("/etc/pwned")
+    r = await bash(backend, a, "cat secret.txt; ls -A; ls /etc/pwned 2>&1; ls /data")
+    assert r.output.split()[:3] == ["top-secret", "d", "secret.txt"]
+    assert "No such file" in r.output and "x.txt" not in r.output
 
 
 async def test_slots_run_as_different_users(backend, two_slots):
     a, b = two_slots
-    ra, rb = await backend.execute_batch([(a, "bash", {"command": "id -u"}),
-                                          (b, "bash", {"command": "id -u"})])
-    assert ra.output != rb.output
-    assert ra.output.strip() != "0" and rb.output.strip() != "0"
+    # Root inside each slot, mapped to a different unprivileged uid outside.
+    cmd = "id -u; cat /proc/self/uid_map"
+    ra, rb = await backend.execute_batch([(a, "bash", {"command": cmd}), (b, "bash", {"command": cmd})])
+    (ida, _, outa, _), (idb, _, outb, _) = ra.output.split(), rb.output.split()
+    assert ida == idb == "0"
+    assert outa != outb and "0" not in (outa, outb)
 
 
 async def test_slots_have_private_tmp(backend, two_slots):
@@ -190,7 +198,7 @@ async def test_host_home_is_hidden(backend, slot, home_canary):
     r = await bash(backend, slot, "ls -A /root /home")
     assert r.output.split() == ["/home:", "/root:"]
     r = await bash(backend, slot, "echo $HOME")
-    assert r.output.strip() == slot.workspace_dir
+    assert r.output.strip() == ("/root" if layered(backend) else slot.workspace_dir)
 
 
 async def test_host_environment_is_not_inherited(make_backend, monkeypatch):
@@ -218,11 +226,13 @@ def host_interfaces() -> list[str]:
     return sorted(line.split(":")[0].strip() for line in lines)
 
 
-async def test_host_filesystem_is_read_only(backend, slot):
+async def test_host_filesystem_is_never_changed(backend, slot):
+    """A slot with a layered root writes its own copy of the system directories; without
+    one they are read-only. Either way the host's files never change."""
     name = "hmt-pwned-" + secrets.token_hex(4)
     for target in (f"/etc/{name}", f"/usr/{name}", f"/var/{name}", f"/work/{name}"):
         r = await bash(backend, slot, f"touch {target}")
-        assert not r.success, target
+        assert r.success == (layered(backend) and not target.startswith("/work")), target
         assert not host_has(target)
     # The slot's root is its own scratch space: writing there never reaches the host.
     await bash(backend, slot, f"touch /{name}")

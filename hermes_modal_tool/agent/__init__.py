@@ -22,6 +22,7 @@ _MODULES = (
     ("hermes_modal_tool.agent", None),
     ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
     ("hermes_modal_tool.agent.procs", "agent/procs.py"),
+    ("hermes_modal_tool.agent.rootfs", "agent/rootfs.py"),
     ("hermes_modal_tool.agent.files", "agent/files.py"),
     ("hermes_modal_tool.agent.admission", "agent/admission.py"),
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),

@@ -18,6 +18,8 @@ import errno
 import os
 import stat
 
+from .rootfs import open_subdir_same_mount
+
 MAX_READ_BYTES = 64 * 1024 * 1024
 # An archive is built in the agent's memory and sent in one frame: cap it even when
 # the caller gives no max_bytes (a sparse 100 GB file must not exhaust the agent).
@@ -25,18 +27,42 @@ MAX_ARCHIVE_BYTES = 128 * 1024 * 1024
 MAX_LINKS = 40
 
 
+def preload():
+    """Import what the archive and checksum tools use (lazily, for a fast start); must run
+    before a tool runs with a slot's credentials, which cannot read the agent's own files."""
+    import gzip  # noqa: F401
+    import hashlib  # noqa: F401
+    import io  # noqa: F401
+    import tarfile  # noqa: F401
+    import time  # noqa: F401
+    import zipfile  # noqa: F401
+
+
 class FileToolError(Exception):
     """Raised for a bad path or file operation; the message is shown to the model."""
 
 
 class Workspace:
-    """One slot's workspace as the agent sees it (``host``) and as the slot sees it (``path``)."""
+    """The files a slot's tools reach: ``host`` (as the agent sees it) shown at ``path``.
 
-    def __init__(self, host, path, uid=None, gid=None):
+    Two layouts:
+
+    - workspace-only: ``host`` is the slot's workspace, ``path`` where the slot sees it;
+      absolute paths outside ``path`` are refused;
+    - a whole root (``path == "/"``): ``host`` is the slot's root filesystem and ``cwd`` its
+      workspace; absolute paths are in the slot's view, relative ones relative to ``cwd``,
+      ``..`` stops at the root and absolute symlinks resolve inside it (as the kernel's
+      ``RESOLVE_IN_ROOT`` does). Permissions are the slot's: the caller runs the tools
+      with the slot's filesystem uid (:class:`.rootfs.FsCreds`).
+    """
+
+    def __init__(self, host, path, uid=None, gid=None, cwd=None):
         self.host = host
         self.path = path.rstrip("/") or "/"
         self.uid = uid
         self.gid = gid
+        self.cwd = cwd
+        self.rooted = self.path == "/"
 
     # -- path walking --------------------------------------------------------
     def _parts(self, path):
@@ -44,7 +70,10 @@ class Workspace:
             raise FileToolError("path must be a string, got %s" % type(path).__name__)
         if "\x00" in path:
             raise FileToolError("path contains a NUL byte: %r" % path)
-        if path.startswith("/"):
+        if self.rooted:
+            if not path.startswith("/") and self.cwd:
+                path = self.cwd + "/" + path
+        elif path.startswith("/"):
             if path == self.path or path.startswith(self.path + "/"):
                 path = path[len(self.path):]
             else:
@@ -71,6 +100,8 @@ class Workspace:
                 part = todo.pop(0)
                 if part == "..":
                     if len(stack) == 1:
+                        if self.rooted:
+                            continue  # ".." of "/" is "/"
                         raise FileToolError("path %r escapes the workspace" % path)
                     os.close(stack.pop())
                     names.pop()
@@ -122,12 +153,16 @@ class Workspace:
             raise
 
     def _link_target(self, target, path):
+        if self.rooted:
+            return [p for p in target.split("/") if p not in ("", ".")]
         if target == self.path or target.startswith(self.path + "/"):
             return [p for p in target[len(self.path):].split("/") if p not in ("", ".")]
         raise FileToolError("path %r goes through a symbolic link to %s, outside the workspace"
                             % (path, target))
 
     def _show(self, names):
+        if self.rooted:
+            return "/" + "/".join(names)
         return "/".join([self.path] + list(names))
 
     def _own(self, name, dir_fd):
@@ -295,7 +330,10 @@ class Workspace:
         try:
             for entry in entries:
                 rel = entry["path"]
-                full = (base + "/" + rel) if base else rel
+                if self.rooted:  # an absolute path in the slot's view
+                    full = shown.rstrip("/") + "/" + rel
+                else:
+                    full = (base + "/" + rel) if base else rel
                 if entry["type"] == "file":
                     fh, st, _ = self.open_read(full)
                     with fh:
@@ -392,8 +430,8 @@ def _rm_in(top_fd):
                     pass
             elif (st.st_dev, st.st_ino) not in emptied:
                 try:
-                    child = (os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd),
-                             name)
+                    # Never into a mount point: a slot's root is mounted inside agent state.
+                    child = (open_subdir_same_mount(fd, name), name)
                 except OSError:
                     emptied.add((st.st_dev, st.st_ino))
                     continue

@@ -73,6 +73,27 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
     return argv
 
 
+def bwrap_root_argv(bwrap, root_host, ctl_host, network, hostname, info_fd, chdir,
+                    shm_mb=None):
+    """Return the bwrap argv prefix for a slot with a layered root of its own.
+
+    The slot is root (uid 0, all capabilities) in its own user namespace, which maps
+    that one uid to the slot's unprivileged uid outside; ``root_host`` (the slot's
+    overlay, see :mod:`.rootfs`) is its ``/``, with its own ``/proc``, a minimal ``/dev``,
+    a size-capped ``/dev/shm`` and the control directory read-only at ``CTL_PATH``.
+    """
+    size = ["--size", str(int(shm_mb) * 1024 * 1024)] if shm_mb else []
+    argv = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL",
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+            "--hostname", hostname]
+    if not network:
+        argv.append("--unshare-net")
+    argv += ["--bind", root_host, "/", "--proc", "/proc", "--dev", "/dev"] + size + [
+        "--tmpfs", "/dev/shm", "--ro-bind", ctl_host, CTL_PATH, "--chdir", chdir]
+    return argv
+
+
 def _under_bound(path):
     top = path.strip("/").split("/")[0]
     return top not in HIDDEN_TOP and os.path.exists(path)

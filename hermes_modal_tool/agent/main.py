@@ -23,7 +23,7 @@ import sys
 import time
 
 from .. import protocol
-from . import admission, files, isolation
+from . import admission, files, isolation, rootfs
 from .shell import Shell
 
 #: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
@@ -34,6 +34,8 @@ SPAWN_THREADS = 4
 #: call starts; half the call's timeout when that is shorter. Either is well inside the
 #: host's deadline (the timeout plus a grace period), so no deadline passes meanwhile.
 NOTICE_S = 5.0
+#: How often a running command's slot is measured against its ``slot_disk`` limit (s).
+DISK_WATCH_S = 0.5
 STOPPED_BEFORE = "the sandbox was stopped (the backend is shutting down) before the command started"
 
 
@@ -52,6 +54,22 @@ class SlotRuntime:
             self.uid = self.gid = None
         self.env = dict(agent.env)
         self.env["HOME"] = self.ws_path if agent.isolation == "bwrap" else self.ws_host
+        self.root = None  # the slot's layered root (rootfs.SlotRoot) when it has one
+        self.dirty = False  # a call ran since the last reset
+        self.rlimits = []  # the slot's own (on top of the sandbox's)
+        self.start_dir = self.ws_path
+        if agent.filesystem == "overlay":
+            self.root = rootfs.SlotRoot(
+                os.path.join(agent.state_dir, "fs", "slot_%d" % index),
+                os.path.join(agent.state_dir, "mnt", "slot_%d" % index), self.uid, self.gid,
+                agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir])
+            self.ws_host = self.root.merged + self.ws_path
+            if "HOME" not in agent.config.get("env", {}):
+                self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
+            self.start_dir = agent.workdir or self.ws_path
+            if agent.slot_disk_mb:
+                # No file may outgrow the disk limit (the watcher catches many small ones).
+                self.rlimits = [(resource.RLIMIT_FSIZE, int(agent.slot_disk_mb) * 1024 * 1024)]
         self.ctl_fds = {}
         self.queue = collections.deque()  # call messages waiting for this slot
         self.current = None  # id of the call running now
@@ -62,9 +80,12 @@ class SlotRuntime:
         self.shell = Shell(self, agent.loop)
         self.background_sids = []
         self.bg_counter = 0
-        self.workspace = files.Workspace(
-            self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
-            self.uid, self.gid)
+        if self.root is not None:
+            self.workspace = files.Workspace(self.root.merged, "/", cwd=self.ws_path)
+        else:
+            self.workspace = files.Workspace(
+                self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
+                self.uid, self.gid)
         self.ready = False  # directories are made on first use (fast sandbox start)
 
     @property
@@ -75,6 +96,10 @@ class SlotRuntime:
         if self.ready:
             return
         os.makedirs(self.ctl_host, mode=0o755, exist_ok=True)
+        if self.root is not None:
+            self.root.ensure()  # bounded: a few mounts and the plan's entries (a fork, once)
+            self.ready = True
+            return
         if self.uid is not None and self.agent.isolation != "bwrap":
             # No mount namespace hides other slots' control files: only this slot's uid
             # may enter its control directory.
@@ -144,7 +169,11 @@ class SlotRuntime:
         already fresh and is kept.
         """
         shell = self.shell
-        if shell.used or not (shell.alive or shell.starting):
+        # With a root of its own, a slot that ran anything gets a new root, and its shell
+        # must go too (its mount namespace holds the old one).
+        drop = self.root is not None and (self.dirty or shell.used)
+        self.dirty = False
+        if drop or shell.used or not (shell.alive or shell.starting):
             await shell.stop()
             if self.agent.cgroups:
                 self.agent.cgroups.kill_slot(self.index)
@@ -156,7 +185,23 @@ class SlotRuntime:
                     pass
         self.background_sids = []
         shell.resume_dir = None
-        self.workspace.wipe()
+        if self.root is None:
+            self.workspace.wipe()
+            return
+        # Drop the writable layer: a rename, whatever the slot wrote; deleted later, off the
+        # event loop. The fresh root is mounted now so the next tenant does not wait for it.
+        if drop or not self.root.mounted:
+            loop = self.agent.loop
+            trash = await loop.run_in_executor(self.agent.spawner, self.root.discard)
+            if trash is not None:
+                self.agent.reap(trash)
+            await loop.run_in_executor(self.agent.spawner, self.root.ensure)
+
+    def fs_creds(self):
+        """Context for file tools: the slot's own filesystem uid when it has a root of its own."""
+        if self.root is None:
+            return _NO_CREDS
+        return rootfs.FsCreds(self.uid, self.gid)
 
 
 class Agent:
@@ -174,6 +219,10 @@ class Agent:
         self._admission = None
         self._spawner = None
         self._spawn_limiter = None
+        self._reaper = None
+        self._watcher = None
+        self.slot_disk_mb = None
+        self.filesystem = "workspace-only"
         self.unstarted = {}  # id(msg) -> a call that has not started yet
         self.notices = []  # heap of (when to notice, seq, id(msg))
         self.notice_seq = itertools.count()
@@ -276,6 +325,9 @@ class Agent:
                 self.env.get("PATH") or os.environ.get("PATH", ""), self.uid_base)
             if self.bwrap is None:
                 self.isolation = "none"
+        self.workdir = cfg.get("workdir") or None
+        self.slot_disk_mb = cfg.get("slot_disk") or None
+        self.filesystem, filesystem_note = self._choose_filesystem(cfg)
         limits = dict(cfg.get("limits", {}))
         # A slot's /tmp (and /run, /var/tmp, /dev/shm) may hold at most half its memory
         # limit each: a full /tmp fails with ENOSPC instead of growing without bound.
@@ -320,7 +372,40 @@ class Agent:
             "limits_note": reason,
             "slot_uids": self.uid_base is not None,
             "slots": len(self.slots),
+            "filesystem": self.filesystem,
+            "filesystem_note": filesystem_note,
+            "slot_disk": (None if not self.slot_disk_mb else
+                          {"mib": self.slot_disk_mb, "enforced": "watched",
+                           "note": "measured every %gs while a command runs and when it ends; "
+                                   "the command is stopped past the limit" % DISK_WATCH_S}
+                          if self.filesystem == "overlay" else
+                          {"mib": self.slot_disk_mb, "enforced": "none",
+                           "note": "no layered root: the limit is not applied"}),
         }
+
+    def _choose_filesystem(self, cfg):
+        """``("overlay", "")`` when each slot gets a layered root of its own, else
+        ``("workspace-only", why)``. ``filesystem: overlay`` in the config makes it required."""
+        wanted = cfg.get("filesystem") or "auto"
+        if wanted == "workspace-only":
+            return "workspace-only", "the profile asks for filesystem: workspace-only"
+        if self.isolation != "bwrap" or self.uid_base is None:
+            why = ("slots run without bubblewrap" if self.isolation != "bwrap"
+                   else "the agent is not root, so slots cannot have a uid of their own")
+        else:
+            os.makedirs(self.state_dir, exist_ok=True)
+            why = rootfs.probe(self.state_dir)
+        if why:
+            if wanted == "overlay":
+                raise RuntimeError("filesystem: overlay is not possible here: %s" % why)
+            return "workspace-only", why
+        self.trash_dir = os.path.join(self.state_dir, "trash")
+        for sub in ("fs", "mnt", "trash"):
+            os.makedirs(os.path.join(self.state_dir, sub), mode=0o711, exist_ok=True)
+        self.upper_plan = rootfs.UpperPlan(
+            list(self.hide) + [self.state_dir, self.ctl_root, self.host_root],
+            cfg.get("masked") or [], bool(cfg.get("hide_host_top", False)))
+        return "overlay", ""
 
     def handle_status(self, msg):
         return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.busy, "queued": len(s.queue),
@@ -363,6 +448,7 @@ class Agent:
         mid = msg.get("id")
         started = time.monotonic()
         slot.set_busy(mid)
+        slot.dirty = True  # a reset must drop the writable layer (file tools write it too)
 
         def done(result):
             if not result.get("duration_s"):
@@ -404,7 +490,11 @@ class Agent:
 
         ``tool`` and ``args`` were checked by :func:`protocol.check_args`.
         """
-        output, data = files.TOOLS[tool](slot.workspace, args, self.limit)
+        slot.prepare_dirs()
+        if slot.root is not None:
+            files.preload()  # imports read the agent's own files: not as the slot
+        with slot.fs_creds():
+            output, data = files.TOOLS[tool](slot.workspace, args, self.limit)
         truncated = False
         if tool == "list_files" or (tool == "read_file" and data.get("encoding") == "text"):
             output, truncated = _cap(output, self.limit)
@@ -428,10 +518,71 @@ class Agent:
                 self.own(self._background(slot, command, env, done))
         else:
             cmd_path = slot.write_ctl("cmd", command.encode("utf-8", "surrogatepass") + b"\n")
+            watched = slot.root is not None and self.slot_disk_mb
+            if watched:
+                done = self._disk_checked(slot, done)
 
             def begin():
                 slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done)
+                if watched:
+                    self.own(self._watch_disk(slot, slot.shell.collector))
         self.launch(slot, msg, begin, done)
+
+    # -- the slot_disk limit, watched: no quota on the file system here ----------------
+    def _disk_over(self, used):
+        return used > self.slot_disk_mb * 1024 * 1024
+
+    def _disk_message(self, used):
+        return ("the slot's disk limit (slot_disk = %d MiB) was exceeded: %.1f MiB written; "
+                "the command was stopped. Remove files to go on."
+                % (self.slot_disk_mb, used / 1048576.0))
+
+    async def _watch_disk(self, slot, collector):
+        """While the command runs, measure the slot's writable layer every
+        :data:`DISK_WATCH_S` (in a worker thread) and stop the command past the limit."""
+        while collector is not None and not collector.done.done():
+            await asyncio.sleep(DISK_WATCH_S)
+            if collector.done.done() or slot.shell.collector is not collector:
+                return
+            used = await self.loop.run_in_executor(self.watcher, slot.root.usage_bytes)
+            if self._disk_over(used) and slot.shell.collector is collector:
+                slot.shell.cancel(self._disk_message(used))
+                return
+
+    def _disk_checked(self, slot, done):
+        """Wrap a bash call's ``done``: measure the writable layer once more before the
+        result goes out, and say so when the command went past the limit."""
+        def finish(result):
+            def measured(fut):
+                try:
+                    used = fut.result()
+                except Exception:  # noqa: BLE001 - a failed measurement changes nothing
+                    used = 0
+                if self._disk_over(used):
+                    if not result.get("error"):
+                        result["error"] = self._disk_message(used).replace(
+                            "the command was stopped", "the command ended")
+                        if result.get("returncode") == 0:
+                            result["returncode"] = 1
+                    data = result.get("data")
+                    if isinstance(data, dict):
+                        data.setdefault("limits_hit", []).append("disk")
+                done(result)
+
+            if self.closing:
+                done(result)
+                return
+            fut = self.loop.run_in_executor(self.watcher, slot.root.usage_bytes)
+            fut.add_done_callback(measured)
+        return finish
+
+    @property
+    def watcher(self):
+        """One worker thread that measures slots' disk use."""
+        if self._watcher is None:
+            self._watcher = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="hermes-modal-tool-disk")
+        return self._watcher
 
     # -- admission: commands start when counted and their shell is ready ------------
     @property
@@ -450,6 +601,14 @@ class Agent:
             self._spawner = concurrent.futures.ThreadPoolExecutor(
                 SPAWN_THREADS, thread_name_prefix="hermes-modal-tool-spawn")
         return self._spawner
+
+    def reap(self, path):
+        """Delete ``path`` (a dropped writable layer) in the background: one worker thread,
+        iterative, never into a mount point; the agent's loop never waits for it."""
+        if self._reaper is None:
+            self._reaper = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="hermes-modal-tool-reap")
+        self._reaper.submit(files.remove_tree, path)
 
     @property
     def spawn_limiter(self):
@@ -583,7 +742,7 @@ class Agent:
         slot.bg_counter += 1
         job = slot.bg_counter
         script = slot.write_ctl("bg_%d.sh" % job, command.encode("utf-8", "surrogatepass") + b"\n")
-        ws = slot.workspace.path
+        ws = slot.ws_path if slot.root is not None else slot.workspace.path
         log = "%s/.background/job_%d.log" % (ws, job)
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
         # setsid is the backgrounded process itself, so $! is the job's pid and session id,
@@ -633,6 +792,15 @@ class Agent:
                 if self.cgroups.remove_all():
                     break
                 await asyncio.sleep(0.05)
+        for slot in self.slots.values():
+            if slot.root is not None:
+                try:
+                    slot.root.teardown()
+                except OSError as exc:
+                    sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
+        for pool in (self._reaper, self._watcher):
+            if pool is not None:
+                pool.shutdown(wait=False)
         if self.config and self.config.get("remove_state", True):
             for path in (self.ctl_root, self.host_root if self.config.get("host_root") else None,
                          self.state_dir):
@@ -642,6 +810,17 @@ class Agent:
             self.send({"id": mid, "ok": True, "result": {}})
         if not self.done.done():
             self.done.set_result(None)
+
+
+class _NoCreds:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CREDS = _NoCreds()
 
 
 class _Pending:

@@ -181,6 +181,7 @@ class Shell:
         self.timeout = 0.0
         self.started_at = 0.0
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
+        self.stop_reason = None
 
     @property
     def alive(self):
@@ -244,7 +245,15 @@ class Shell:
         info_r = info_w = None
         bash = ["bash", "--noprofile", "--norc"]
         try:
-            if agent.isolation == "bwrap":
+            if slot.root is not None:
+                slot.root.ensure()
+                info_r, info_w = os.pipe()
+                pass_fds = (info_w,)
+                argv = isolation.bwrap_root_argv(
+                    agent.bwrap, slot.root.merged, slot.ctl_host, agent.network,
+                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb) + bash
+                cwd = "/"
+            elif agent.isolation == "bwrap":
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
                 argv = isolation.bwrap_argv(
@@ -256,7 +265,7 @@ class Shell:
                 cwd = slot.ws_host
             preexec = isolation.make_preexec(
                 agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
-                agent.rlimits, slot.uid, slot.gid)
+                agent.rlimits + slot.rlimits, slot.uid, slot.gid)
             proc = subprocess.Popen(
                 argv, stdin=in_r, stdout=out_w, stderr=out_w, env=slot.env, cwd=cwd,
                 pass_fds=pass_fds, preexec_fn=preexec, close_fds=True,
@@ -575,6 +584,7 @@ class Shell:
         self.on_done = on_done
         self.timeout = timeout
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
+        self.stop_reason = None
         if env:
             prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
             line = ("__hmt_n=%s; { %s. %s; } <%s; \\builtin printf '\\036%%s %%d\\036\\n' "
@@ -599,10 +609,11 @@ class Shell:
         self.start(command_file, stdin_path, env, timeout, limit, fut.set_result)
         return await fut
 
-    def cancel(self):
-        """Stop the running command (its result says it was cancelled)."""
+    def cancel(self, reason=None):
+        """Stop the running command (its result says it was cancelled, or ``reason``)."""
         if self.collector is not None:
             self.cancelled = True
+            self.stop_reason = reason
             self._begin_interrupt()
 
     def _on_timeout(self):
@@ -637,6 +648,9 @@ class Shell:
         if self.slot.agent.closing:
             error = "the sandbox was stopped (the backend is shutting down) while the command ran"
             rc = None
+        elif self.cancelled and self.stop_reason:
+            error = self.stop_reason
+            rc = 1
         elif self.cancelled:
             error = "cancelled; its processes were killed"
         elif self.timed_out:

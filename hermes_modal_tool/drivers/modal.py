@@ -463,6 +463,9 @@ class ModalDriver(Driver):
             "output_limit": config.output_limit,
             "hide": [],
             "cgroups": True,
+            "workdir": config.workdir,
+            "filesystem": config.filesystem,
+            "slot_disk": config.slot_disk,
         }
         return handle, init
 

@@ -167,13 +167,16 @@ class Footprint:
         agent = self.agents(table).get(slot.sandbox_id)
         if agent is None:
             return None
-        ws = f"{self.state_root}/{slot.sandbox_id}/ws/slot_{slot.index}\0".encode()
+        base = f"{self.state_root}/{slot.sandbox_id}"
+        # The slot's bwrap names its workspace, or its layered root (fs/slot_N/merged).
+        marks = (f"{base}/ws/slot_{slot.index}\0".encode(),
+                 f"{base}/fs/slot_{slot.index}/merged\0".encode())
         for pid in descendants(agent, table):
             p = table[pid]
             if p.comm != "bash" or p.cmdline != b"bash\0--noprofile\0--norc\0" or p.nspid[-1:] != (2,):
                 continue
             up = ancestors(pid, table)
-            if agent in up and any(ws in table[a].cmdline for a in up if a in table):
+            if agent in up and any(m in table[a].cmdline for a in up if a in table for m in marks):
                 return pid
         return None
 

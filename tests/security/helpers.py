@@ -17,13 +17,19 @@ async def call(backend, slot, tool, **args) -> ExecutionResult:
 
 def host_workspace(backend, slot) -> Path:
     """Where ``slot``'s workspace lives on the host (the local driver's layout)."""
-    root = backend.get_status()["drivers"]["local"]["state_root"]
-    return Path(root) / slot.sandbox_id / "ws" / Path(slot.workspace_dir).name
+    root = Path(backend.get_status()["drivers"]["local"]["state_root"]) / slot.sandbox_id
+    layer = root / "fs" / f"slot_{slot.index}" / "upper"  # a layered root's writable layer
+    if layer.is_dir():
+        return layer / slot.workspace_dir.lstrip("/")
+    return root / "ws" / Path(slot.workspace_dir).name
 
 
 async def slot_uid(backend, slot) -> int:
-    r = await bash(backend, slot, "id -u")
-    uid = int(r.output)
+    """The host uid a slot's processes run as (with a layered root the slot is root inside,
+    mapped to this uid outside)."""
+    r = await bash(backend, slot, "awk '$1 == 0 {print $2; exit} END {}' /proc/self/uid_map; id -u")
+    lines = r.output.split()
+    uid = int(lines[0]) if len(lines) == 2 else int(lines[-1])
     assert uid >= 200000 or os.geteuid() != 0
     return uid
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 
-from support import bash, processes, settle
+from support import bash, layered, processes, settle
 
 from .helpers import fresh_shell_only, host_can_fork, none_alive, pids_of_uid, slot_uid
 
@@ -54,14 +54,21 @@ async def test_memory_bomb_hits_the_slot_memory_limit(make_backend):
 
 
 async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(make_backend):
-    backend = await make_backend(slot_memory=256)
+    """Every writable place is capped: memory-backed ones (``/dev/shm``, and ``/tmp`` ...
+    without a layered root) by their size, the layered root's disk-backed ones by
+    ``slot_disk`` (no file may grow past it)."""
+    backend = await make_backend(slot_memory=256, slot_disk=128)
     slot = await backend.acquire("filler")
     other = await backend.acquire("other")
     host_free = shutil.disk_usage("/tmp").free
     for path in ("/tmp", "/var/tmp", "/dev/shm", "/run"):
         r = await bash(backend, slot, f"head -c 1G /dev/zero > {path}/fill; echo rc=$?; "
                                       f"du -sm {path}/fill | cut -f1; rm -f {path}/fill", timeout=20)
-        assert "No space left on device" in r.output and "rc=1" in r.output, (path, r.output, r.error)
+        on_disk = layered(backend)  # the file size limit (slot_disk) comes first
+        if on_disk:
+            assert "File size limit exceeded" in r.output, (path, r.output, r.error)
+        else:
+            assert "No space left on device" in r.output and "rc=1" in r.output, (path, r.output)
         assert int(r.output.split()[-1]) <= 128, r.output
     assert abs(shutil.disk_usage("/tmp").free - host_free) < 512 * 1024 * 1024
     assert (await bash(backend, slot, "echo alive")).output == "alive\n"

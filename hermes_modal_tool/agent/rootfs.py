@@ -1,0 +1,448 @@
+"""A slot's own copy-on-write root filesystem (overlayfs over an idmapped lower layer).
+
+Stdlib-only, Python 3.8 (``ctypes`` for the mount syscalls Python does not wrap).
+
+Each slot sees::
+
+    upper     state/fs/slot_N/upper   private, writable, owned by the slot's uid; dropped on reset
+    lower     the sandbox's root ("/"), read-only, idmapped so that its uid 0 shows as the
+              slot's uid (inside the slot's user namespace: root)
+
+How it is built (the agent must be real root; :func:`probe` says whether it works here):
+
+- at ``init`` the agent moves into a mount namespace of its own and makes every mount in it
+  private, so none of the mounts below is ever visible on (or propagated to) the host, and
+  all of them vanish with the agent;
+- per slot, once: a user namespace mapping 0 -> the slot's uid (a short-lived child makes it),
+  then ``open_tree(OPEN_TREE_CLONE)`` of ``/`` and ``mount_setattr(MOUNT_ATTR_IDMAP |
+  MOUNT_ATTR_RDONLY)``, attached with ``move_mount`` at ``state/mnt/slot_N``. Read-only: no
+  path through it can change a host file;
+- per tenant: a fresh upper directory, prepared from a plan computed once (opaque empty
+  ``/root``, ``/home``, ``/tmp``, ``/run`` ...; whiteouts hiding the agent's state, secrets and
+  root-only host files; the workspace and working directory; an apt setting for a one-uid
+  namespace; the PEP 668 marker removed), then ``mount -t overlay`` at ``state/fs/slot_N/merged``.
+  bwrap binds that as the slot's ``/``.
+
+Reset unmounts the overlay, renames the upper into a trash directory (removed later, off the
+event loop) and mounts a fresh one: its cost does not depend on what the slot wrote.
+
+Where the kernel says no (not root, no ``open_tree``, overlay refused), :func:`probe` returns
+the reason and slots keep the workspace-only layout.
+"""
+
+import ctypes
+import errno
+import os
+import stat
+import threading
+
+SYS_OPEN_TREE = 428  # the same number on every architecture (new syscalls are unified)
+SYS_MOVE_MOUNT = 429
+SYS_OPENAT2 = 437
+SYS_MOUNT_SETATTR = 442
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_IDMAP = 0x100000
+CLONE_NEWNS = 0x20000
+CLONE_NEWUSER = 0x10000000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 2
+RESOLVE_NO_XDEV = 0x1
+RESOLVE_NO_MAGICLINKS = 0x2
+RESOLVE_NO_SYMLINKS = 0x4
+OPAQUE = "trusted.overlay.opaque"
+
+#: Directories a slot sees empty (its own, writable): a container's fresh ones.
+EMPTY_DIRS = {"/root": 0o700, "/home": 0o755, "/tmp": 0o1777, "/run": 0o755, "/mnt": 0o755,
+              "/media": 0o755, "/lost+found": 0o700, "/var/tmp": 0o1777}
+EMPTY_TOP = {p[1:] for p in EMPTY_DIRS if p.count("/") == 1}
+#: Top-level names of a Linux root filesystem; anything else at the top of the host's root
+#: (project checkouts, data) is hidden from slots.
+STANDARD_TOP = frozenset(("bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "opt",
+                          "proc", "sbin", "srv", "sys", "usr", "var")) | set(EMPTY_TOP)
+APT_CONF = ("etc/apt/apt.conf.d/00hermes-modal-tool",
+            b'// The slot is one uid: apt cannot drop privileges to _apt.\n'
+            b'APT::Sandbox::User "root";\n')
+
+_libc = None
+
+
+def libc():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+        _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                ctypes.c_ulong, ctypes.c_char_p]
+    return _libc
+
+
+def _check(result, what):
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+    return result
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dir_fd, name, flags, resolve):
+    """``openat2(2)``; raises OSError (``ENOSYS`` on kernels before 5.6)."""
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve)
+    return _check(libc().syscall(SYS_OPENAT2, dir_fd, os.fsencode(name), ctypes.byref(how),
+                                 ctypes.sizeof(how)), "openat2 %s" % name)
+
+
+def open_subdir_same_mount(dir_fd, name):
+    """Open directory ``name`` in ``dir_fd`` without following symlinks or crossing a mount
+    point (``EXDEV``). Used by every tree removal: a mount inside a tree is never entered."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        return openat2(dir_fd, name, flags, RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS)
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+    fd = os.open(name, flags, dir_fd=dir_fd)  # old kernel: compare devices at least
+    if os.fstat(fd).st_dev != os.fstat(dir_fd).st_dev:
+        os.close(fd)
+        raise OSError(errno.EXDEV, "a mount point", name)
+    return fd
+
+
+def enter_private_mount_namespace():
+    """Move the agent into a mount namespace of its own whose mounts are all private."""
+    lib = libc()
+    _check(lib.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _check(lib.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+
+
+def userns_fd(uid, gid):
+    """A user namespace mapping 0 -> ``uid``/``gid`` (one id), as an fd; made by a child."""
+    lib = libc()
+    go_r, go_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child only makes syscalls and exits
+        try:
+            os.close(go_w)
+            os.close(ready_r)
+            ok = lib.unshare(CLONE_NEWUSER) == 0
+            os.write(ready_w, b"1" if ok else b"0")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(go_r)
+    os.close(ready_w)
+    try:
+        if os.read(ready_r, 1) != b"1":
+            raise OSError(errno.EPERM, "cannot create a user namespace for the idmapped mount")
+        with open("/proc/%d/uid_map" % pid, "w") as fh:
+            fh.write("0 %d 1" % uid)
+        with open("/proc/%d/setgroups" % pid, "w") as fh:
+            fh.write("deny")
+        with open("/proc/%d/gid_map" % pid, "w") as fh:
+            fh.write("0 %d 1" % gid)
+        return os.open("/proc/%d/ns/user" % pid, os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(go_w)
+        os.close(ready_r)
+        os.waitpid(pid, 0)
+
+
+def mount_idmapped(source, target, uid, gid):
+    """Attach a read-only clone of ``source`` at ``target`` with 0 shown as ``uid``/``gid``."""
+    lib = libc()
+    ns = userns_fd(uid, gid)
+    try:
+        tree = _check(lib.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source),
+                                  OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC), "open_tree %s" % source)
+        try:
+            attr = _MountAttr(MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV, 0, 0, ns)
+            _check(lib.syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
+                               ctypes.sizeof(attr)), "mount_setattr(IDMAP) %s" % source)
+            _check(lib.syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, os.fsencode(target),
+                               MOVE_MOUNT_F_EMPTY_PATH), "move_mount %s" % target)
+        finally:
+            os.close(tree)
+    finally:
+        os.close(ns)
+
+
+def mount_overlay(lower, upper, work, target):
+    opts = "lowerdir=%s,upperdir=%s,workdir=%s" % (lower, upper, work)
+    _check(libc().mount(b"overlay", os.fsencode(target), b"overlay", 0, os.fsencode(opts)),
+           "mount overlay at %s" % target)
+
+
+def umount(target):
+    """Detach ``target`` (lazily: processes that still use it keep it until they exit)."""
+    if libc().umount2(os.fsencode(target), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):  # not mounted
+            raise OSError(err, "umount %s: %s" % (target, os.strerror(err)))
+
+
+class FsCreds:
+    """Run file operations with a slot's filesystem uid/gid (this thread only).
+
+    ``setfsuid`` is per thread; while it is not 0 the kernel also drops the thread's
+    file capabilities (``CAP_DAC_OVERRIDE``, ``CAP_CHOWN``, ...), so permission checks are
+    the slot's own. Both are restored on exit.
+    """
+
+    def __init__(self, uid, gid):
+        self.uid = uid
+        self.gid = gid
+
+    def __enter__(self):
+        lib = libc()
+        lib.setfsgid(self.gid)
+        lib.setfsuid(self.uid)
+        return self
+
+    def __exit__(self, *exc):
+        lib = libc()
+        lib.setfsuid(0)
+        lib.setfsgid(0)
+        return False
+
+
+def hidden_paths(hide, masked, nonstandard_top=True):
+    """The paths each upper whites out: agent state and secrets under a visible top-level
+    directory, root-only host files (``masked``) and, when the root is the host's
+    (``nonstandard_top``), top-level entries that are not part of a Linux root."""
+    out = set()
+    for name in os.listdir("/") if nonstandard_top else ():
+        if name not in STANDARD_TOP:
+            out.add("/" + name)
+    for path in list(hide) + list(masked):
+        path = os.path.normpath(path)
+        top = path.strip("/").split("/")[0]
+        if path != "/" and top not in EMPTY_TOP and os.path.lexists(path):
+            out.add(path)
+    # A path below a hidden one needs no whiteout of its own.
+    return sorted(p for p in out if not any(p.startswith(q + "/") for q in out if q != p))
+
+
+def pep668_markers():
+    """The ``EXTERNALLY-MANAGED`` files of the root's Pythons (a slot's pip may install)."""
+    found = []
+    for base in ("/usr/lib", "/usr/local/lib"):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("python3"):
+                path = "%s/%s/EXTERNALLY-MANAGED" % (base, name)
+                if os.path.lexists(path):
+                    found.append(path)
+    return found
+
+
+class UpperPlan:
+    """What every fresh upper layer of a sandbox holds (computed once, applied per tenant)."""
+
+    def __init__(self, hide, masked, nonstandard_top=True):
+        self.whiteouts = hidden_paths(hide, masked, nonstandard_top) + pep668_markers()
+        self.empty = sorted((p, m) for p, m in EMPTY_DIRS.items() if os.path.isdir(p))
+
+    def apply(self, upper, uid, gid, dirs=()):
+        """Fill the new, empty ``upper`` (as the agent: real root); ``dirs`` (absolute, in
+        the slot's view) are created when the root does not have them."""
+        os.chown(upper, uid, gid)
+        os.chmod(upper, 0o755)
+        for name, mode in self.empty:
+            parent = self._parents(upper, os.path.dirname(name), uid, gid)
+            path = os.path.join(parent, os.path.basename(name))
+            os.mkdir(path)
+            os.chown(path, uid, gid)
+            os.chmod(path, mode)
+            os.setxattr(path, OPAQUE, b"y")
+        for path in self.whiteouts:
+            parent = self._parents(upper, os.path.dirname(path), uid, gid)
+            os.mknod(os.path.join(parent, os.path.basename(path)), stat.S_IFCHR | 0o000,
+                     os.makedev(0, 0))
+        conf, text = APT_CONF
+        if os.path.isdir("/etc/apt/apt.conf.d"):
+            parent = self._parents(upper, "/" + os.path.dirname(conf), uid, gid)
+            path = os.path.join(parent, os.path.basename(conf))
+            with open(path, "wb") as fh:
+                fh.write(text)
+            os.chown(path, uid, gid)
+        for d in dirs:
+            if d:
+                self._parents(upper, d, uid, gid, create_mode=0o755)
+
+    @staticmethod
+    def _parents(upper, path, uid, gid, create_mode=None):
+        """Make ``path`` (absolute, in the slot's view) in ``upper`` with the lower's modes;
+        directories missing below get ``create_mode`` (owned by the slot's root)."""
+        cur = upper
+        for part in [p for p in path.split("/") if p]:
+            nxt = os.path.join(cur, part)
+            if not os.path.isdir(nxt):
+                lower = "/" + os.path.relpath(nxt, upper)
+                if any(lower == p or lower.startswith(p + "/") for p in EMPTY_DIRS):
+                    lower = "/nonexistent-in-the-slot"  # below an emptied directory
+                try:
+                    st = os.lstat(lower)
+                    mode, owner, group = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+                    if not stat.S_ISDIR(st.st_mode):
+                        raise OSError(errno.ENOTDIR, "not a directory in the root", lower)
+                except FileNotFoundError:
+                    if create_mode is None:
+                        raise
+                    mode, owner, group = create_mode, 0, 0
+                os.mkdir(nxt)
+                os.chown(nxt, uid if owner == 0 else owner, gid if group == 0 else group)
+                os.chmod(nxt, mode)
+            cur = nxt
+        return cur
+
+
+class SlotRoot:
+    """One slot's layered root: its idmapped lower mount, current upper and overlay.
+
+    Blocking (mount syscalls, a fork): call from worker threads, never the event loop.
+    """
+
+    def __init__(self, base, mnt, uid, gid, plan, trash, dirs=()):
+        self.base = base  # state/fs/slot_N: upper, work, merged
+        self.lower = mnt  # state/mnt/slot_N: the idmapped lower (outside every deleted tree)
+        self.uid = uid
+        self.gid = gid
+        self.plan = plan
+        self.trash = trash
+        self.dirs = list(dirs)
+        self.merged = os.path.join(base, "merged")
+        self.mounted = False
+        self._lower_ready = False
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def ensure(self):
+        """Mount the slot's root if it is not mounted (a fresh upper)."""
+        with self._lock:
+            if self.mounted:
+                return
+            if not self._lower_ready:
+                os.makedirs(self.lower, mode=0o700, exist_ok=True)
+                mount_idmapped("/", self.lower, self.uid, self.gid)
+                self._lower_ready = True
+            os.makedirs(self.base, mode=0o700, exist_ok=True)
+            os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds merged from here
+            upper = os.path.join(self.base, "upper")
+            work = os.path.join(self.base, "work")
+            for path in (upper, work):
+                os.mkdir(path, 0o700)
+            self.plan.apply(upper, self.uid, self.gid, self.dirs)
+            os.makedirs(self.merged, mode=0o755, exist_ok=True)
+            mount_overlay(self.lower, upper, work, self.merged)
+            self.mounted = True
+
+    def discard(self):
+        """Drop the slot's writable layer; return the trash path to delete later (or None).
+
+        The slot's processes must be gone. The next :meth:`ensure` mounts a fresh upper.
+        """
+        with self._lock:
+            if self.mounted:
+                umount(self.merged)
+                self.mounted = False
+            upper = os.path.join(self.base, "upper")
+            if not os.path.lexists(upper):
+                return None
+            self._seq += 1
+            dest = os.path.join(self.trash, "%s-%d" % (os.path.basename(self.base), self._seq))
+            os.mkdir(dest, 0o700)
+            for name in ("upper", "work"):
+                if os.path.lexists(os.path.join(self.base, name)):
+                    os.rename(os.path.join(self.base, name), os.path.join(dest, name))
+            return dest
+
+    def teardown(self):
+        """Unmount everything of this slot (the agent is stopping)."""
+        with self._lock:
+            if self.mounted:
+                umount(self.merged)
+                self.mounted = False
+            if self._lower_ready:
+                umount(self.lower)
+                self._lower_ready = False
+
+    def usage_bytes(self):
+        """Bytes the slot has written (its upper layer's blocks); linear in its files."""
+        total = 0
+        stack = [os.path.join(self.base, "upper")]
+        while stack:
+            path = stack.pop()
+            try:
+                with os.scandir(path) as it:
+                    for entry in it:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        total += st.st_blocks * 512
+                        if stat.S_ISDIR(st.st_mode):
+                            stack.append(entry.path)
+            except OSError:
+                continue
+        return total
+
+
+def probe(state_dir):
+    """Can slots get a layered root here? Returns ``""`` when they can, else why not.
+
+    Moves the agent into its own mount namespace (which it keeps) and mounts one test
+    overlay over an idmapped ``/``, then removes it.
+    """
+    if os.geteuid() != 0:
+        return "the agent is not root (idmapped mounts need CAP_SYS_ADMIN)"
+    try:
+        enter_private_mount_namespace()
+    except OSError as exc:
+        return "no private mount namespace: %s" % (exc.strerror or exc,)
+    test = os.path.join(state_dir, "fs-probe")
+    lower = os.path.join(test, "lower")
+    try:
+        for name in ("lower", "upper", "work", "merged"):
+            os.makedirs(os.path.join(test, name), exist_ok=True)
+        mount_idmapped("/", lower, 65534, 65534)
+        try:
+            mount_overlay(lower, os.path.join(test, "upper"), os.path.join(test, "work"),
+                          os.path.join(test, "merged"))
+            umount(os.path.join(test, "merged"))
+        finally:
+            umount(lower)
+    except OSError as exc:
+        return "layered root unavailable: %s" % (exc.strerror or exc,)
+    finally:
+        _remove_probe(test)
+    return ""
+
+
+def _remove_probe(test):
+    for name in ("merged", "lower"):
+        try:
+            os.rmdir(os.path.join(test, name))
+        except OSError:
+            pass
+    from .files import remove_tree
+
+    remove_tree(test)
