@@ -368,7 +368,11 @@ def test_direct_construction_raises_config_error(fields):
         SandboxConfig(**fields)
 
 
-def test_backend_rejects_unknown_default_profile():
+def test_unknown_default_profile_raises_when_a_call_needs_it():
+    # Code that names a profile on every call never needs the default (the original
+    # accepted this); a call that needs it gets a clear error naming both.
+    backend = ToolBackend(profiles={"a": SandboxConfig(name="a")}, default_profile="b")
+    assert backend.profile("a").name == "a"
     with pytest.raises(ConfigError) as exc:
-        ToolBackend(profiles={"a": SandboxConfig(name="a")}, default_profile="b")
-    assert "b" in str(exc.value) and "a" in str(exc.value)
+        backend.profile()
+    assert "'b'" in str(exc.value) and "a" in str(exc.value) and "profile=" in str(exc.value)
