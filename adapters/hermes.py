@@ -34,8 +34,10 @@ section lists every variable:
   ``TERMINAL_MODAL_{KEY}`` set that key for every profile,
   ``TERMINAL_MODAL_PROFILE_{name}_{KEY}`` for one (see
   :mod:`hermes_modal_tool.profiles` and :class:`ModalProfile`).
-- ``TERMINAL_MODAL_APP_NAME`` (``TERMINAL_SLOT_APP_NAME`` for ``slot_pool``): the
-  Modal app name prefix (default ``hermes-terminal``).
+- ``TERMINAL_MODAL_APP_NAME``: the Modal app name of every profile (default
+  ``hermes-terminal-{profile}``); for ``slot_pool``, ``TERMINAL_SLOT_APP_NAME``
+  (default ``hermes-slot-pool``) and ``TERMINAL_DOCKER_IMAGE`` (the image when
+  ``TERMINAL_MODAL_IMAGE`` is unset), as the original's slot pool read them.
 - ``TERMINAL_TIMEOUT``: default seconds per command (else the profile's
   ``execution_timeout_s``, 60 s unless configured, as in the original).
 - ``TERMINAL_CWD``: the directory the shell starts in, inside each slot (the
@@ -244,10 +246,13 @@ class _Manager:
     def __init__(self) -> None:
         self.env_type = _env_type()
         cls = ModalSandboxConfig if self.env_type == "modal" else SandboxConfig
-        profiles, default = terminal_profiles(cls=cls)
-        app_var = "TERMINAL_SLOT_APP_NAME" if _raw_env_type() == SLOT_POOL else "TERMINAL_MODAL_APP_NAME"
-        self.backend = ToolBackend(profiles=profiles, default_profile=default,
-                                   app_name=os.environ.get(app_var) or "hermes-terminal")
+        slot_pool: dict[str, Any] = {}
+        if _raw_env_type() == SLOT_POOL:  # the original's slot pool read these
+            slot_pool["app_name"] = os.environ.get("TERMINAL_SLOT_APP_NAME") or "hermes-slot-pool"
+            if os.environ.get("TERMINAL_DOCKER_IMAGE"):
+                slot_pool["image"] = os.environ["TERMINAL_DOCKER_IMAGE"]
+        profiles, default = terminal_profiles(cls=cls, defaults=slot_pool)
+        self.backend = ToolBackend(profiles=profiles, default_profile=default, app_name="hermes-terminal")
         self.default_timeout = _env_seconds("TERMINAL_TIMEOUT", None)
         lifetime = _env_seconds("TERMINAL_LIFETIME_SECONDS", DEFAULT_LIFETIME_S, allow_zero=True)
         self.sessions = SlotSessions(self.backend, lifetime_s=lifetime or None)

@@ -73,14 +73,20 @@ def profile_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def terminal_profiles(env: Mapping[str, str] | None = None, cls: type[SandboxConfig] = SandboxConfig,
-                      ) -> tuple[dict[str, SandboxConfig], str]:
+                      defaults: Mapping[str, Any] | None = None) -> tuple[dict[str, SandboxConfig], str]:
     """The terminal tool's profiles and default profile (see the module docstring).
+
+    Args:
+        env: the environment (default ``os.environ``).
+        cls: the config class.
+        defaults: more field values below every other source.
 
     Raises:
         ConfigError: listing every problem of the file or variables.
     """
     env = profile_env(env)
-    return load_profiles(profiles_file(env), env=env, cls=cls, defaults=terminal_defaults(env))
+    return load_profiles(profiles_file(env), env=env, cls=cls,
+                         defaults={**terminal_defaults(env), **(defaults or {})})
 
 
 @dataclass
@@ -160,7 +166,7 @@ class ModalProfile:
         spellings = {profile_name, profile_name.upper().replace("-", "_")}
         env = {k: v for k, v in os.environ.items() if k.startswith(tag)
                and (split_profile_var(k[len(tag):]) or ("",))[0] in spellings}
-        env["TERMINAL_MODAL_PROFILES"] = profile_name
+        env["TERMINAL_MODAL_PROFILES"] = env["TERMINAL_MODAL_DEFAULT_PROFILE"] = profile_name
         profiles, _ = load_profiles(None, env=env, prefixes=("TERMINAL_MODAL_",),
                                     defaults=TERMINAL_DEFAULTS)
         return cls.from_config(profiles[profile_name])

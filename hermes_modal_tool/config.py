@@ -15,7 +15,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
-from .profiles import ALIASES, ENV_KEYS, ENV_PREFIXES, load_profiles, read_profiles_file
+from .profiles import (
+    ALIASES,
+    ENV_KEYS,
+    ENV_PREFIXES,
+    load_profiles,
+    read_profiles_file,
+    split_profile_var,
+)
 
 __all__ = ["ALIASES", "ENV_KEYS", "ENV_PREFIXES", "ModalSandboxConfig", "SandboxConfig",
            "build_profile", "load_profiles", "read_profiles_file", "validate_profile"]
@@ -186,10 +193,16 @@ class SandboxConfig(BaseModel):
             ConfigError: a variable has an unknown key or a bad value (named).
         """
         env = os.environ if env is None else env
-        env = {k: v for k, v in env.items()
-               if not k.endswith(("_PROFILES", "_PROFILES_FILE", "_DEFAULT_PROFILE"))}
-        env["ATROPOS_MODAL_PROFILES"] = profile_name
-        env.pop("TERMINAL_MODAL_PROFILES", None)
+        spellings = {profile_name, profile_name.upper().replace("-", "_")}
+
+        def wanted(var: str) -> bool:
+            for prefix in ENV_PREFIXES:
+                if var.startswith(f"{prefix}PROFILE_"):  # only this profile's own
+                    return (split_profile_var(var[len(prefix) + 8:]) or ("",))[0] in spellings
+            return not var.endswith(("_PROFILES", "_PROFILES_FILE", "_DEFAULT_PROFILE"))
+
+        env = {k: v for k, v in env.items() if wanted(k)}
+        env["ATROPOS_MODAL_PROFILES"] = env["ATROPOS_MODAL_DEFAULT_PROFILE"] = profile_name
         profiles, _ = load_profiles(None, env=env, cls=cls)
         return profiles[profile_name]
 

@@ -328,7 +328,7 @@ def _from_file(data: Mapping[str, Any], where: str, profile: str, problems: list
         if key.upper() in IGNORED_KEYS:
             if value is True or str(value).strip().lower() in _TRUE:
                 warnings.warn(f"{where}: profile {profile!r}: key {key!r} has no effect here: "
-                              f"{IGNORED_KEYS[key.upper()]}", ConfigWarning, stacklevel=4)
+                              f"{IGNORED_KEYS[key.upper()]}", ConfigWarning, stacklevel=3)
             continue
         field = ALIASES.get(key, key)
         if field in out:
