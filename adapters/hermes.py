@@ -79,7 +79,12 @@ from ..portal import run_sync
 from ..sessions import SlotSessions
 from ..slots import ExecutionResult, SlotState
 from ..tools import TOOL_SPECS
-from .hermes_profiles import HERMES_OWN_VARS, ModalProfile, terminal_profiles  # noqa: F401
+from .hermes_profiles import (  # noqa: F401
+    HERMES_OWN_VARS,
+    ModalProfile,
+    terminal_profiles,
+    warn_no_effect,
+)
 
 __all__ = [
     "DEFAULT_TASK_ID",
@@ -252,6 +257,7 @@ class _Manager:
             if os.environ.get("TERMINAL_DOCKER_IMAGE"):
                 slot_pool["image"] = os.environ["TERMINAL_DOCKER_IMAGE"]
         profiles, default = terminal_profiles(cls=cls, defaults=slot_pool)
+        warn_no_effect(os.environ)
         self.backend = ToolBackend(profiles=profiles, default_profile=default, app_name="hermes-terminal")
         self.default_timeout = _env_seconds("TERMINAL_TIMEOUT", None)
         lifetime = _env_seconds("TERMINAL_LIFETIME_SECONDS", DEFAULT_LIFETIME_S, allow_zero=True)

@@ -36,9 +36,25 @@ DEFAULT_PROFILES_FILE = "modal_profiles.yaml"
 #: Hermes's own variables under the ``TERMINAL_MODAL_`` prefix (its CLI sets them from
 #: config.yaml): not profile keys, so not handed to load_profiles.
 HERMES_OWN_VARS = frozenset({"TERMINAL_MODAL_MODE"})
+#: Variables the original terminal tool read for every backend that mean nothing here
+#: (warned about by name when set).
+NO_EFFECT_VARS = {
+    "TERMINAL_SCRATCH_DIR": "slots keep their files in their sandbox's own state directory",
+    "TERMINAL_DISK_WARNING_GB": "there is no host scratch directory to watch; limit a slot's disk "
+                                "with the profile's slot_disk (MiB)",
+    "SUDO_PASSWORD": "commands run as root (uid 0) in their own slot; sudo is not rewritten",
+}
 #: The original terminal tool's defaults that differ from SandboxConfig's.
 TERMINAL_DEFAULTS: dict[str, Any] = {"execution_timeout_s": 60.0, "workdir": "/workspace",
                                      "scale_down_idle": 180.0}
+
+
+def warn_no_effect(env: Mapping[str, str]) -> None:
+    """A :class:`ConfigWarning` for each :data:`NO_EFFECT_VARS` variable that is set."""
+    for var, why in NO_EFFECT_VARS.items():
+        if env.get(var):
+            warnings.warn(f"environment variable {var}: has no effect here: {why}", ConfigWarning,
+                          stacklevel=3)
 
 
 def terminal_defaults(env: Mapping[str, str]) -> dict[str, Any]:

@@ -341,6 +341,17 @@ def test_settings_without_effect_are_warned_about_by_name(tmp_path):
         assert load_profiles(path, env={})[1] == "testenv"
 
 
+def test_the_originals_other_variables_are_warned_about(original_env, monkeypatch):
+    monkeypatch.setenv("TERMINAL_MODAL_ENV_VARS", f"{TOKEN_VAR}={original_env['token']}")
+    monkeypatch.setenv("TERMINAL_DISK_WARNING_GB", "500")
+    monkeypatch.setenv("SUDO_PASSWORD", "hunter2")
+    with pytest.warns(ConfigWarning) as caught:
+        assert run("echo ok", task_id="w")["output"] == "ok\n"
+    named = " ".join(str(w.message) for w in caught)
+    assert "TERMINAL_DISK_WARNING_GB" in named and "SUDO_PASSWORD" in named
+    assert "hunter2" not in named
+
+
 def test_variables_the_original_never_read_still_raise():
     with pytest.raises(ConfigError, match="TERMINAL_MODAL_SLOTZ"):
         terminal_profiles({"TERMINAL_MODAL_SLOTZ": "3"})
