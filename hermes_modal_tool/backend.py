@@ -85,7 +85,8 @@ class ToolBackend:
         # names a profile on every call never does); profile(None) then raises.
         default_profile = default_profile or "default"
         if not isinstance(default_profile, str):
-            raise UsageError(f"default_profile must be a profile name, got {default_profile!r:.80}")
+            raise ConfigError(f"default_profile must be a profile name, got {default_profile!r:.80} "
+                              f"(profiles: {', '.join(profiles)})")
         self.profiles: dict[str, SandboxConfig] = profiles
         self.default_profile = default_profile
         self.app_name = app_name
