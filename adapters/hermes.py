@@ -119,7 +119,7 @@ def terminal_tool(command: str, background: bool = False, timeout: float | None 
         background: start it in the background and return at once (its output goes
             to a log file in the workspace, named in ``output``).
         timeout: seconds before the command is stopped (exit code 124); default
-            ``TERMINAL_TIMEOUT``, else the profile's ``execution_timeout_s``.
+            ``TERMINAL_TIMEOUT``, else the profile's ``execution_timeout_s`` (60 s unless configured).
         task_id: whose slot (default ``"default"``); a new id gets a new, empty slot.
         force: accepted for compatibility; no effect (see the module docstring).
         profile: a profile of ``TERMINAL_MODAL_PROFILES_FILE`` (default: its

@@ -87,6 +87,14 @@ def split_profile_var(rest: str) -> tuple[str, str] | None:
     return None
 
 
+def _own_key(rest: str, spellings: set[str]) -> str | None:
+    """The KEY of ``<name>_<KEY>`` when ``<name>`` is one of ``spellings``, else None."""
+    for name in spellings:
+        if rest.startswith(name + "_") and rest[len(name) + 1:] in _known_keys():
+            return rest[len(name) + 1:]
+    return None
+
+
 def _parse_env(field: str, raw: str) -> Any:
     if field == "secrets":
         return [s.strip() for s in raw.split(",") if s.strip()]
@@ -175,11 +183,10 @@ class _EnvReader:
             for var in sorted(self.env):
                 if not var.startswith(tag):
                     continue
-                split = split_profile_var(var[len(tag):])
-                if split is None or split[0] not in spellings:
+                key = _own_key(var[len(tag):], spellings)
+                if key is None:
                     continue
-                self._add(mine, my_names, var, split[1],
-                          f"environment variable {var}: profile {profile!r}")
+                self._add(mine, my_names, var, key, f"environment variable {var}: profile {profile!r}")
             values.update(mine)
             names.update(my_names)
         return values, names
@@ -206,7 +213,7 @@ class _EnvReader:
                 if split is None:
                     self.problems.append(f"environment variable {var}: unknown key in "
                                          f"{var[len(tag):]!r} (expected {tag}<profile>_<KEY>)")
-                elif not any(split[0] in (p, _env_name(p)) for p in profiles):
+                elif not any(_own_key(var[len(tag):], {p, _env_name(p)}) for p in profiles):
                     warnings.warn(f"environment variable {var}: there is no profile {split[0]!r} in "
                                   f"{where} (profiles: {', '.join(profiles)}); the variable has no "
                                   "effect", ConfigWarning, stacklevel=3)
