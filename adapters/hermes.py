@@ -14,22 +14,34 @@ Example::
     from hermes_modal_tool.adapters.hermes import terminal_tool, cleanup_vm
 
     terminal_tool("mkdir proj && cd proj", task_id="my-task")
-    terminal_tool("pwd", task_id="my-task")   # {"output": "/data/slot_0/proj\\n", "exit_code": 0, "error": null}
+    terminal_tool("pwd", task_id="my-task")   # {"output": ".../proj\\n", "exit_code": 0, "error": null}
     terminal_tool("sleep 9", timeout=1, task_id="my-task")   # exit_code 124
     cleanup_vm("my-task")
 
 Environment (read when the process-wide manager is first built, and again after
-:func:`cleanup_all_environments`):
+:func:`cleanup_all_environments`); the README's "Porting from the original"
+section lists every variable:
 
 - ``TERMINAL_ENV``: ``local`` (default; bubblewrap sandboxes on this machine) or
   ``modal`` (the ``modal`` driver: Modal sandboxes, with the Modal SDK's credentials;
   ``MODAL_SERVER_URL`` may point at ``hermes_modal_tool.testing.modal_server``).
-- ``TERMINAL_MODAL_PROFILES_FILE``: a ``modal_profiles.yaml``; ``profile=`` picks
-  one of its profiles. ``TERMINAL_MODAL_IMAGE``, ``TERMINAL_MODAL_APP_NAME`` and
-  every other ``TERMINAL_MODAL_{KEY}`` set that key for every profile (see
-  :func:`hermes_modal_tool.load_profiles`).
+  The original's ``slot_pool`` (with ``TERMINAL_SLOT_BACKEND`` ``modal`` or unset)
+  is ``modal``.
+- ``TERMINAL_MODAL_PROFILES_FILE``: a ``modal_profiles.yaml`` (default:
+  ``./modal_profiles.yaml`` when it exists); ``profile=`` picks one of its profiles.
+  ``TERMINAL_MODAL_DEFAULT_PROFILE`` names the default one. ``TERMINAL_MODAL_IMAGE``,
+  ``TERMINAL_MODAL_SLOTS``, ``TERMINAL_MODAL_MIN``/``MAX`` and every other
+  ``TERMINAL_MODAL_{KEY}`` set that key for every profile,
+  ``TERMINAL_MODAL_PROFILE_{name}_{KEY}`` for one (see
+  :mod:`hermes_modal_tool.profiles` and :class:`ModalProfile`).
+- ``TERMINAL_MODAL_APP_NAME``: the Modal app name of every profile (default
+  ``hermes-terminal-{profile}``); for ``slot_pool``, ``TERMINAL_SLOT_APP_NAME``
+  (default ``hermes-slot-pool``) and ``TERMINAL_DOCKER_IMAGE`` (the image when
+  ``TERMINAL_MODAL_IMAGE`` is unset), as the original's slot pool read them.
 - ``TERMINAL_TIMEOUT``: default seconds per command (else the profile's
-  ``execution_timeout_s``).
+  ``execution_timeout_s``, 60 s unless configured, as in the original).
+- ``TERMINAL_CWD``: the directory the shell starts in, inside each slot (the
+  profiles' ``workdir``; default ``/workspace``).
 - ``TERMINAL_LIFETIME_SECONDS``: release a task's slot after this many idle
   seconds (default 300; ``0`` never).
 
@@ -55,20 +67,28 @@ import os
 import subprocess
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from ..backend import ToolBackend
-from ..config import ModalSandboxConfig, SandboxConfig, load_profiles
+from ..config import ModalSandboxConfig, SandboxConfig
 from ..errors import ConfigError, HermesModalToolError, IsolationUnavailableError
 from ..portal import run_sync
 from ..sessions import SlotSessions
-from ..slots import ExecutionResult
+from ..slots import ExecutionResult, SlotState
 from ..tools import TOOL_SPECS
+from .hermes_profiles import (  # noqa: F401
+    HERMES_OWN_VARS,
+    ModalProfile,
+    terminal_profiles,
+    warn_no_effect,
+)
 
 __all__ = [
     "DEFAULT_TASK_ID",
+    "ModalProfile",
     "TERMINAL_TOOL_DESCRIPTION",
     "check_terminal_requirements",
     "cleanup_all_environments",
@@ -86,9 +106,8 @@ TERMINAL_TOOL_DESCRIPTION: str = TOOL_SPECS["bash"].description
 DEFAULT_TASK_ID = "default"
 DEFAULT_LIFETIME_S = 300.0
 ENV_TYPES = ("local", "modal")
-#: Hermes's own variables under the ``TERMINAL_MODAL_`` prefix (its CLI sets them from
-#: config.yaml): not profile keys, so not handed to load_profiles.
-HERMES_OWN_VARS = frozenset({"TERMINAL_MODAL_MODE"})
+#: The original's TERMINAL_ENV value for its slot pool: Modal here.
+SLOT_POOL = "slot_pool"
 
 
 def terminal_tool(command: str, background: bool = False, timeout: float | None = None,
@@ -100,7 +119,7 @@ def terminal_tool(command: str, background: bool = False, timeout: float | None 
         background: start it in the background and return at once (its output goes
             to a log file in the workspace, named in ``output``).
         timeout: seconds before the command is stopped (exit code 124); default
-            ``TERMINAL_TIMEOUT``, else the profile's ``execution_timeout_s``.
+            ``TERMINAL_TIMEOUT``, else the profile's ``execution_timeout_s`` (60 s unless configured).
         task_id: whose slot (default ``"default"``); a new id gets a new, empty slot.
         force: accepted for compatibility; no effect (see the module docstring).
         profile: a profile of ``TERMINAL_MODAL_PROFILES_FILE`` (default: its
@@ -180,26 +199,42 @@ def cleanup_all_environments() -> int:
 
 
 def get_active_environments_info() -> dict[str, Any]:
-    """Which tasks hold slots: ``{"env_type", "count", "task_ids", "tasks",
-    "sandboxes", "total_slots", "available_slots"}`` (``tasks`` maps each task id
-    to its slot id, workspace, profile and idle seconds)."""
+    """Which tasks hold slots: ``{"env_type", "count", "task_ids", "workdirs",
+    "total_disk_usage_mb", "tasks", "sandboxes", "total_slots", "available_slots"}``.
+
+    ``tasks`` maps each task id to its slot id, workspace, profile and idle seconds;
+    ``workdirs`` maps it to the directory its shell started in (the profile's
+    ``workdir``, else the workspace); ``total_disk_usage_mb`` is the MiB of files in
+    the tasks' workspaces (a slot busy with a command is not measured).
+    """
     manager = _current
     if manager is None:
-        return {"env_type": (os.environ.get("TERMINAL_ENV") or "local").strip().lower(), "count": 0, "task_ids": [], "tasks": {},
-                "sandboxes": 0, "total_slots": 0, "available_slots": 0}
+        return {"env_type": _raw_env_type(), "count": 0, "task_ids": [], "workdirs": {},
+                "total_disk_usage_mb": 0.0, "tasks": {}, "sandboxes": 0, "total_slots": 0,
+                "available_slots": 0}
     return run_sync(manager.info())
 
 
 def check_terminal_requirements() -> bool:
     """Whether commands can run: for ``TERMINAL_ENV=local``, bubblewrap is found
     and can create user namespaces (or the default profile has ``isolation:
-    none``); for ``modal``, the modal driver is installed."""
+    none``); for ``modal``, the modal driver is installed and Modal credentials
+    exist (``MODAL_TOKEN_ID``, or a token in ``~/.modal.toml``, as the SDK reads
+    them; they are not checked with Modal here)."""
     try:
         env_type = _env_type()
         if env_type == "modal":
-            return (importlib.util.find_spec("modal") is not None
-                    and importlib.util.find_spec("hermes_modal_tool.drivers.modal") is not None)
-        profiles, default = load_profiles(env=_profile_env())
+            if (importlib.util.find_spec("modal") is None
+                    or importlib.util.find_spec("hermes_modal_tool.drivers.modal") is None):
+                log.warning("terminal requirements not met: the modal extra is not installed "
+                            "(pip install 'hermes-modal-tool[modal]')")
+                return False
+            if not _modal_credentials():
+                log.warning("terminal requirements not met: no Modal credentials (set MODAL_TOKEN_ID "
+                            "and MODAL_TOKEN_SECRET, or run `modal token new` for ~/.modal.toml)")
+                return False
+            return True
+        profiles, default = terminal_profiles()
         if profiles[default].isolation == "none":
             return True
         return _isolation_works()
@@ -216,9 +251,14 @@ class _Manager:
     def __init__(self) -> None:
         self.env_type = _env_type()
         cls = ModalSandboxConfig if self.env_type == "modal" else SandboxConfig
-        profiles, default = load_profiles(env=_profile_env(), cls=cls)
-        self.backend = ToolBackend(profiles=profiles, default_profile=default,
-                                   app_name=os.environ.get("TERMINAL_MODAL_APP_NAME") or "hermes-terminal")
+        slot_pool: dict[str, Any] = {}
+        if _raw_env_type() == SLOT_POOL:  # the original's slot pool read these
+            slot_pool["app_name"] = os.environ.get("TERMINAL_SLOT_APP_NAME") or "hermes-slot-pool"
+            if os.environ.get("TERMINAL_DOCKER_IMAGE"):
+                slot_pool["image"] = os.environ["TERMINAL_DOCKER_IMAGE"]
+        profiles, default = terminal_profiles(cls=cls, defaults=slot_pool)
+        warn_no_effect(os.environ)
+        self.backend = ToolBackend(profiles=profiles, default_profile=default, app_name="hermes-terminal")
         self.default_timeout = _env_seconds("TERMINAL_TIMEOUT", None)
         lifetime = _env_seconds("TERMINAL_LIFETIME_SECONDS", DEFAULT_LIFETIME_S, allow_zero=True)
         self.sessions = SlotSessions(self.backend, lifetime_s=lifetime or None)
@@ -254,9 +294,24 @@ class _Manager:
     async def info(self) -> dict[str, Any]:
         tasks = self.sessions.info()
         status = self.backend.get_status()
+        workdirs = {t: self.backend.profiles[i["profile"]].workdir or i["workspace"]
+                    for t, i in tasks.items()}
         return {"env_type": self.env_type, "count": len(tasks), "task_ids": sorted(tasks),
-                "tasks": tasks, "sandboxes": status["sandboxes"], "total_slots": status["total_slots"],
+                "tasks": tasks, "workdirs": workdirs,
+                "total_disk_usage_mb": await self._disk_usage_mb(),
+                "sandboxes": status["sandboxes"], "total_slots": status["total_slots"],
                 "available_slots": status["available_slots"]}
+
+    async def _disk_usage_mb(self) -> float:
+        """MiB of files in the tasks' workspaces (slots running a command are skipped:
+        measuring them would wait for the command; up to 10000 files per slot)."""
+        slots = [s for s in self.sessions.slots().values() if s.state is SlotState.ACQUIRED]
+        listings = await self.backend.execute_batch(
+            [(s, "list_files", {"path": ".", "recursive": True, "max_entries": 10000}) for s in slots],
+            timeout_s=10)
+        total = sum(e.get("size", 0) for r in listings if r.success
+                    for e in r.metadata.get("entries", []) if e.get("type") == "file")
+        return round(total / (1024 * 1024), 2)
 
     async def aclose(self) -> int:
         if self._reaper is not None:
@@ -304,16 +359,35 @@ atexit.register(_close_at_exit)
 
 # -- helpers -------------------------------------------------------------------------------
 
+def _raw_env_type() -> str:
+    return (os.environ.get("TERMINAL_ENV") or "local").strip().lower()
+
+
 def _env_type() -> str:
-    value = (os.environ.get("TERMINAL_ENV") or "local").strip().lower()
+    value = _raw_env_type()
+    if value == SLOT_POOL:
+        backend = (os.environ.get("TERMINAL_SLOT_BACKEND") or "modal").strip().lower()
+        if backend != "modal":
+            raise ConfigError(f"environment variable TERMINAL_SLOT_BACKEND: {backend!r} is not "
+                              "supported; the slot pool runs on Modal (modal) or, with "
+                              "TERMINAL_ENV=local, on this machine")
+        return "modal"
     if value not in ENV_TYPES:
         raise ConfigError(f"environment variable TERMINAL_ENV: {value!r} is not supported; use one of: "
                           f"{', '.join(ENV_TYPES)} (docker is a later driver)")
     return value
 
 
-def _profile_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in HERMES_OWN_VARS}
+def _modal_credentials() -> bool:
+    """Whether the Modal SDK finds a token (environment or the active ~/.modal.toml profile)."""
+    if os.environ.get("MODAL_TOKEN_ID"):
+        return True
+    try:
+        from modal.config import config as modal_config
+
+        return bool(modal_config.get("token_id"))
+    except Exception:  # an unreadable config file: look for the file, as the original did
+        return Path(os.environ.get("MODAL_CONFIG_PATH") or Path.home() / ".modal.toml").is_file()
 
 
 def _env_seconds(name: str, default: float | None, allow_zero: bool = False) -> float | None:

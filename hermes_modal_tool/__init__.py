@@ -12,6 +12,7 @@ from .errors import (
     BackendClosedError,
     CommandTimeoutError,
     ConfigError,
+    ConfigWarning,
     CredentialsError,
     HermesModalToolError,
     IsolationUnavailableError,
@@ -22,7 +23,7 @@ from .errors import (
     SecretNotFoundError,
     UsageError,
 )
-from .slots import ExecutionResult, Slot, SlotState
+from .slots import ExecutionResult, Slot, SlotState, ToolResult
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "BackendClosedError",
     "CommandTimeoutError",
     "ConfigError",
+    "ConfigWarning",
     "CredentialsError",
     "ExecutionResult",
     "HermesModalToolError",
@@ -45,6 +47,7 @@ __all__ = [
     "Slot",
     "SlotState",
     "ToolBackend",
+    "ToolResult",
     "UsageError",
     "load_profiles",
 ]

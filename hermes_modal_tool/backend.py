@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .drivers import make_driver
 from .drivers.base import Driver
-from .errors import BackendClosedError, ConfigError, UsageError
+from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .pool import SandboxPool
 from .slots import ExecutionResult, Slot
 
@@ -41,7 +43,9 @@ class ToolBackend:
     Args:
         config: a single profile (its ``name`` becomes the default profile).
         profiles: several profiles by name (instead of ``config``).
-        default_profile: the profile ``acquire`` uses when none is named.
+        default_profile: the profile ``acquire`` uses when none is named. It may be
+            missing from ``profiles``: then a call that names no profile raises
+            ConfigError (and ``start()`` warms nothing by default).
         app_name: prefix for each profile's app name (``"{app_name}-{profile}"``).
         driver_options: options per driver name, e.g. ``{"local": {"state_root": path},
             "modal": {"create_rate": 10, "max_starting": 8}}`` (see ``LocalDriver`` and
@@ -77,10 +81,12 @@ class ToolBackend:
                 profiles[name] = cfg = cfg.model_copy(update={"name": name})
             if app_name and not cfg.app_name:
                 profiles[name] = cfg.with_app_name(app_name)
+        # A default that is not a profile is allowed until a call needs it (code that
+        # names a profile on every call never does); profile(None) then raises.
         default_profile = default_profile or "default"
-        if default_profile not in profiles:
-            raise ConfigError(f"default_profile {default_profile!r} is not one of the profiles "
-                              f"({', '.join(profiles)})")
+        if not isinstance(default_profile, str):
+            raise ConfigError(f"default_profile must be a profile name, got {default_profile!r:.80} "
+                              f"(profiles: {', '.join(profiles)})")
         self.profiles: dict[str, SandboxConfig] = profiles
         self.default_profile = default_profile
         self.app_name = app_name
@@ -109,6 +115,13 @@ class ToolBackend:
     @staticmethod
     def _default_config() -> SandboxConfig:
         return SandboxConfig()
+
+    @property
+    def default_timeout_s(self) -> float | None:
+        """The default profile's ``execution_timeout_s`` (seconds; None when the
+        default profile is not one of the profiles)."""
+        cfg = self.profiles.get(self.default_profile)
+        return cfg.execution_timeout_s if cfg is not None else None
 
     @classmethod
     def with_profiles(
@@ -151,7 +164,13 @@ class ToolBackend:
         if isinstance(profiles_to_start, str):
             raise UsageError(f"profiles_to_start must be a list of profile names, got the string "
                              f"{profiles_to_start!r}; use [{profiles_to_start!r}]")
-        names = list(profiles_to_start or [self.default_profile])
+        if not profiles_to_start and self.default_profile not in self.profiles:
+            warnings.warn(f"start(): default_profile {self.default_profile!r} is not one of the "
+                          f"profiles ({', '.join(self.profiles)}); no pool warmed now, each starts on "
+                          "its first acquire", ConfigWarning, stacklevel=2)
+            names: list[str] = []
+        else:
+            names = list(profiles_to_start or [self.default_profile])
         for name in names:
             self.profile(name)
         await asyncio.gather(*(self._pool(n) for n in names))
@@ -198,7 +217,13 @@ class ToolBackend:
         Raises:
             ConfigError: no such profile.
         """
-        name = name or self.default_profile
+        if not name:
+            if self.default_profile not in self.profiles:
+                raise ConfigError(
+                    f"default_profile {self.default_profile!r} is not one of the profiles "
+                    f"({', '.join(self.profiles)}); name a profile in this call (profile=...) or "
+                    "pass default_profile= one of them")
+            name = self.default_profile
         try:
             return self.profiles[name]
         except KeyError:
@@ -227,7 +252,8 @@ class ToolBackend:
         """Lease a slot (empty workspace, fresh shell) for a trajectory.
 
         Args:
-            trajectory_id: who holds it (shown in status and pool-timeout errors).
+            trajectory_id: who holds it (shown in status and pool-timeout errors);
+                None: a new id (``"traj-"`` and 12 hex digits), as the original did.
             profile: which profile's pool (default: ``default_profile``).
 
         Raises:
@@ -242,7 +268,8 @@ class ToolBackend:
         if profile is not None and not isinstance(profile, str):
             raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
         pool = await self._pool(self.profile(profile).name)
-        return await pool.acquire(trajectory_id)
+        return await pool.acquire(trajectory_id if trajectory_id is not None
+                                  else f"traj-{uuid.uuid4().hex[:12]}")
 
     async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
         """Return a slot. The next holder always gets an empty workspace and a fresh
@@ -419,20 +446,25 @@ class ToolBackend:
     def get_status(self) -> dict[str, Any]:
         """A snapshot: totals over all pools plus ``pools[profile]`` details.
 
-        Keys include ``sandboxes``, ``total_slots``, ``available_slots``,
-        ``acquired_slots``, ``slots_per_sandbox`` (of the default profile),
+        Keys include ``sandboxes``, ``healthy_sandboxes`` (running, not dead),
+        ``max_sandboxes`` (summed over the profiles; one profile: its own),
+        ``total_slots``, ``available_slots``, ``acquired_slots``,
+        ``slots_per_sandbox`` (of the default profile, else the first),
+        ``default_profile``, ``profiles``, ``active_pools``,
         ``waiting_acquires``, ``calls_per_second``, ``failures``, and per pool the
         isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
         Secret values never appear here.
         """
         pools = {name: pool.status() for name, pool in self._pools.items()}
         total = {k: sum(p[k] for p in pools.values()) for k in
-                 ("sandboxes", "total_slots", "available_slots", "acquired_slots",
-                  "waiting_acquires", "calls", "failures", "timeouts")}
+                 ("sandboxes", "healthy_sandboxes", "total_slots", "available_slots",
+                  "acquired_slots", "waiting_acquires", "calls", "failures", "timeouts")}
+        main = self.profiles.get(self.default_profile) or next(iter(self.profiles.values()))
         return {
             **total,
+            "max_sandboxes": sum(p.max_sandboxes for p in self.profiles.values()),
             "calls_per_second": round(sum(p["calls_per_second"] for p in pools.values()), 2),
-            "slots_per_sandbox": self.profiles[self.default_profile].slots_per_sandbox,
+            "slots_per_sandbox": main.slots_per_sandbox,
             "default_profile": self.default_profile,
             "profiles": list(self.profiles),
             "active_pools": list(self._pools),

@@ -1,40 +1,33 @@
-"""Sandbox profiles: the config model, ``modal_profiles.yaml`` and environment variables.
+"""Sandbox profiles: the config model.
 
-Where a profile's values come from, lowest to highest precedence:
-
-1. the field defaults below;
-2. ``{PREFIX}{KEY}`` environment variables (``ATROPOS_MODAL_IMAGE``,
-   ``TERMINAL_MODAL_MEMORY``, ...), for every profile;
-3. the profiles file (``modal_profiles.yaml``), per profile;
-4. ``{PREFIX}PROFILE_{NAME}_{KEY}`` environment variables, for profile NAME.
-
-Nothing falls back silently: an unknown key, a wrong type, ``min > max`` or a
-missing profiles file raises :class:`~hermes_modal_tool.errors.ConfigError` naming
-the file (or variable), the profile and the key.
+Profiles files and environment variables are read by
+:func:`~hermes_modal_tool.profiles.load_profiles` (re-exported here); see
+:mod:`hermes_modal_tool.profiles` for where each value comes from.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .profiles import (
+    ALIASES,
+    ENV_KEYS,
+    ENV_PREFIXES,
+    load_profiles,
+    read_profiles_file,
+    split_profile_var,
+)
+
+__all__ = ["ALIASES", "ENV_KEYS", "ENV_PREFIXES", "ModalSandboxConfig", "SandboxConfig",
+           "build_profile", "load_profiles", "read_profiles_file", "validate_profile"]
 
 DriverName = Literal["local", "modal"]
-
-# The terminal tool's words and the Modal sandbox's word for our fields.
-ALIASES = {"min_pool": "min_sandboxes", "max_pool": "max_sandboxes"}
-ENV_PREFIXES = ("ATROPOS_MODAL_", "TERMINAL_MODAL_")
-# Environment keys that differ from the field name (the original's spellings).
-ENV_KEYS = {"ACQUIRE_TIMEOUT": "acquire_timeout_s", "EXECUTION_TIMEOUT": "execution_timeout_s",
-            "MIN_POOL": "min_sandboxes", "MAX_POOL": "max_sandboxes"}
-# Variables with these prefixes that are not profile keys (MODE is set by Hermes's CLI).
-_NOT_FROM_ENV = {"PROFILES", "PROFILES_FILE", "DEFAULT_PROFILE", "MODE"}
 
 
 class SandboxConfig(BaseModel):
@@ -77,7 +70,8 @@ class SandboxConfig(BaseModel):
     slots_per_sandbox: int = Field(10, ge=1, le=4096)
     min_sandboxes: int = Field(1, ge=0, le=100000)
     max_sandboxes: int = Field(5, ge=1, le=100000)
-    idle_timeout: float = Field(120, gt=0, description="Stop sandboxes idle this long (s), down to the minimum.")
+    idle_timeout: float = Field(120, gt=0, description="Idle seconds before a sandbox is stopped (down to min_sandboxes; see "
+                                      "scale_down_idle); also Modal's server-side idle limit.")
     max_lifetime: float = Field(3600, gt=0, description="Longest a sandbox lives (s); Modal's timeout.")
     acquire_timeout_s: float = Field(60.0, gt=0, le=86400)
     execution_timeout_s: float = Field(30.0, gt=0, le=86400, description="Default per-call timeout (s).")
@@ -94,7 +88,11 @@ class SandboxConfig(BaseModel):
     slot_disk: int | None = Field(
         None, gt=0, le=16 * 1024 * 1024,
         description="Disk a slot may write (its writable layer and workspace), MiB; default: no limit.")
-    scale_down_idle: bool = Field(True, description="Stop idle sandboxes after idle_timeout.")
+    scale_down_idle: bool | float = Field(
+        True, description="Scale down: stop sandboxes (down to min_sandboxes) once idle this "
+                          "long. True: after idle_timeout; False: never; a number: after that many "
+                          "seconds (the original terminal tool's meaning; idle_timeout then only "
+                          "sets Modal's own server-side idle limit).")
     network: bool = Field(True, description="False: loopback only inside each slot.")
     isolation: Literal["bwrap", "none"] = Field(
         "bwrap", description="'none' runs slots without namespaces (trusted code only).")
@@ -117,6 +115,22 @@ class SandboxConfig(BaseModel):
         if not parts or any(p in (".", "..") for p in parts):
             raise ValueError(f"must be an absolute path below '/', got {value!r}")
         return "/" + "/".join(parts)
+
+    @field_validator("scale_down_idle")
+    @classmethod
+    def _idle_seconds(cls, value: bool | float) -> bool | float:
+        if not isinstance(value, bool) and not (0 < value < math.inf):
+            raise ValueError(f"must be true, false or a positive number of seconds, got {value!r}")
+        return value
+
+    @property
+    def scale_down_after(self) -> float | None:
+        """Seconds a sandbox may stay idle before the pool stops it (None: never)."""
+        if self.scale_down_idle is False:
+            return None
+        if self.scale_down_idle is True:
+            return float(self.idle_timeout)
+        return float(self.scale_down_idle)
 
     @field_validator("env_vars")
     @classmethod
@@ -142,9 +156,71 @@ class SandboxConfig(BaseModel):
                 f"min_sandboxes ({self.min_sandboxes}) is greater than max_sandboxes ({self.max_sandboxes})")
         return self
 
-    def with_app_name(self, base: str) -> SandboxConfig:
-        """Return a copy whose ``app_name`` is ``"{base}-{name}"``."""
-        return self.model_copy(update={"app_name": f"{base}-{self.name}"})
+    def with_app_name(self, base_app: str | None = None, *, base: str | None = None) -> SandboxConfig:
+        """Return a copy whose ``app_name`` is ``"{base_app}-{name}"``.
+
+        Args:
+            base_app: the app name prefix (the original's argument name); ``base=`` is
+                accepted too.
+
+        Raises:
+            UsageError: neither or both given, or not a non-empty string.
+        """
+        from .errors import UsageError
+
+        if (base_app is None) == (base is None):
+            raise UsageError("with_app_name() takes one app name prefix: with_app_name('my-app')")
+        prefix = base_app if base_app is not None else base
+        if not isinstance(prefix, str) or not prefix:
+            raise UsageError(f"with_app_name(): the prefix must be a non-empty string, got {prefix!r:.80}")
+        return self.model_copy(update={"app_name": f"{prefix}-{self.name}"})
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping[str, Any]) -> SandboxConfig:
+        """One profile from a mapping of keys (as in a profiles file; ``min_pool`` and
+        ``max_pool`` allowed). Unlike the original, an unknown key or a bad value raises.
+
+        Raises:
+            ConfigError: naming the profile and every bad key.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"profile {name!r}: expected a mapping of keys, got {type(data).__name__}")
+        return build_profile(name, dict(data), "from_dict", cls)
+
+    @classmethod
+    def from_env(cls, profile_name: str = "default", *,
+                 env: Mapping[str, str] | None = None) -> SandboxConfig:
+        """One profile from ``ATROPOS_MODAL_*``/``TERMINAL_MODAL_*`` variables: the general
+        ``{PREFIX}{KEY}`` ones, then ``{PREFIX}PROFILE_{NAME}_{KEY}`` (no profiles file).
+
+        Raises:
+            ConfigError: a variable has an unknown key or a bad value (named).
+        """
+        env = os.environ if env is None else env
+        spellings = {profile_name, profile_name.upper().replace("-", "_")}
+
+        def wanted(var: str) -> bool:
+            for prefix in ENV_PREFIXES:
+                if var.startswith(f"{prefix}PROFILE_"):  # only this profile's own
+                    return (split_profile_var(var[len(prefix) + 8:]) or ("",))[0] in spellings
+            return not var.endswith(("_PROFILES", "_PROFILES_FILE", "_DEFAULT_PROFILE"))
+
+        env = {k: v for k, v in env.items() if wanted(k)}
+        env["ATROPOS_MODAL_PROFILES"] = env["ATROPOS_MODAL_DEFAULT_PROFILE"] = profile_name
+        profiles, _ = load_profiles(None, env=env, cls=cls)
+        return profiles[profile_name]
+
+    @classmethod
+    def load_profiles(cls, config_file: str | os.PathLike[str] | None = None) -> dict[str, SandboxConfig]:
+        """The original's loader: ``{name: config}`` from ``config_file`` (else
+        ``{PREFIX}PROFILES_FILE``, else the environment). Unlike the original, a bad
+        file raises instead of falling back to defaults; see
+        :func:`~hermes_modal_tool.load_profiles` for the default profile too.
+
+        Raises:
+            ConfigError: listing every problem of the file or environment.
+        """
+        return load_profiles(config_file, cls=cls)[0]
 
     def get_app_name(self, fallback: str = "hermes-modal-tool") -> str:
         """``app_name``, or ``"{fallback}-{name}"`` when none was set."""
@@ -155,29 +231,6 @@ class ModalSandboxConfig(SandboxConfig):
     """:class:`SandboxConfig` with ``driver="modal"`` by default (the original's name)."""
 
     driver: DriverName = Field("modal", description="'modal' (default here) or 'local'.")
-
-
-class ProfilesFile(BaseModel):
-    """The shape of ``modal_profiles.yaml``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    default_profile: str = "default"
-    profiles: dict[str, dict[str, Any] | None] = Field(default_factory=dict)
-
-
-def _normalise(data: Mapping[str, Any], where: str, profile: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"{where}: profile {profile!r}: key {key!r} is not a string")
-        field = ALIASES.get(key, key)
-        if field in out:
-            other = next(k for k in data if k != key and ALIASES.get(k, k) == field)
-            raise ConfigError(f"{where}: profile {profile!r}: keys {other!r} and {key!r} both set "
-                              f"{field}; give one")
-        out[field] = value
-    return out
 
 
 def build_profile(name: str, data: Mapping[str, Any], where: str,
@@ -191,12 +244,31 @@ def build_profile(name: str, data: Mapping[str, Any], where: str,
         where: the source, for messages (a file path, or "environment").
         keys: optional map field -> original key/variable, for messages.
     """
-    values = _normalise(data, where, name)
-    values.setdefault("name", name)
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: profile {name!r}: key {key!r} is not a string")
+        field = ALIASES.get(key, key)
+        if field in values:
+            raise ConfigError(f"{where}: profile {name!r}: two keys set {field}; give one")
+        values[field] = value
+    cfg, problems = validate_profile(name, values, where, cls, keys)
+    if cfg is None:
+        raise ConfigError(f"{where}: profile {name!r}: " + "; ".join(
+            p.removeprefix(f"{where}: profile {name!r}: ") for p in problems))
+    return cfg
+
+
+def validate_profile(name: str, values: Mapping[str, Any], where: str,
+                     cls: type[SandboxConfig] = SandboxConfig,
+                     keys: Mapping[str, str] | None = None) -> tuple[SandboxConfig | None, list[str]]:
+    """Validate one profile's field values: ``(config, [])`` or ``(None, problems)``,
+    one problem per bad key, each naming ``where``, the profile and the key."""
+    values = {"name": name, **values}  # a "name" key given in the values wins
     try:
-        return cls(**values)
+        return cls(**values), []
     except ConfigError as exc:
-        raise ConfigError(f"{where}: profile {name!r}: " + "; ".join(_describe(exc, keys))) from None
+        return None, [f"{where}: profile {name!r}: {p}" for p in _describe(exc, keys)]
 
 
 def _describe(exc: ValidationError | ConfigError, keys: Mapping[str, str] | None = None) -> list[str]:
@@ -219,165 +291,3 @@ def _describe(exc: ValidationError | ConfigError, keys: Mapping[str, str] | None
             sources = [f"{f} from {keys[f]}" for f in ("min_sandboxes", "max_sandboxes") if f in msg and f in keys]
             problems.append(msg + (f" ({'; '.join(sources)})" if sources else ""))
     return problems
-
-
-def _env_values(env: Mapping[str, str], prefix: str,
-                profile: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Values from ``{prefix}{KEY}`` variables (or ``{prefix}PROFILE_{NAME}_{KEY}`` when a
-    profile is given), and field -> variable name for messages."""
-    tag = prefix if profile is None else f"{prefix}PROFILE_{profile.upper().replace('-', '_')}_"
-    values: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    fields = set(SandboxConfig.model_fields)
-    for var, raw in env.items():
-        if not var.startswith(tag):
-            continue
-        key = var[len(tag):]
-        if profile is None and (key.startswith("PROFILE_") or key in _NOT_FROM_ENV):
-            continue
-        field = ENV_KEYS.get(key, key.lower())
-        where = f"environment variable {var}" + (f": profile {profile!r}" if profile else "")
-        if field not in fields:
-            raise ConfigError(f"{where}: unknown key {key!r}")
-        try:
-            values[field] = _parse_env(field, raw)
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-        names[field] = var
-    return values, names
-
-
-def _parse_env(field: str, raw: str) -> Any:
-    if field == "secrets":
-        return [s.strip() for s in raw.split(",") if s.strip()]
-    if field == "env_vars":
-        pairs = {}
-        for pair in raw.split(";"):
-            if pair.strip():
-                if "=" not in pair:
-                    raise ValueError(f"env_vars entry {pair!r} is not KEY=VALUE")
-                k, v = pair.split("=", 1)
-                pairs[k.strip()] = v.strip()
-        return pairs
-    if field in ("gpu", "slot_memory", "app_name") and raw.strip() == "":
-        return None
-    return raw
-
-
-def load_profiles(
-    profiles_file: str | os.PathLike[str] | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    prefixes: tuple[str, ...] = ENV_PREFIXES,
-    cls: type[SandboxConfig] = SandboxConfig,
-) -> tuple[dict[str, SandboxConfig], str]:
-    """Load profiles; return ``(profiles, default_profile)``.
-
-    Args:
-        profiles_file: a YAML file; if None, ``{prefix}PROFILES_FILE`` is used when set.
-        env: the environment to read (default ``os.environ``).
-        prefixes: variable prefixes, later ones winning (``ATROPOS_MODAL_``,
-            ``TERMINAL_MODAL_``).
-        cls: the config class (``ModalSandboxConfig`` makes ``driver="modal"`` the default).
-
-    Raises:
-        ConfigError: the file is missing, unreadable, not YAML, has the wrong shape,
-            or a profile has an unknown key, a wrong type or ``min > max``.
-    """
-    env = os.environ if env is None else env
-    base: dict[str, Any] = {}
-    base_names: dict[str, str] = {}
-    for prefix in prefixes:
-        vals, names = _env_values(env, prefix)
-        base.update(vals)
-        base_names.update(names)
-    if profiles_file is None:
-        for prefix in prefixes:
-            if env.get(f"{prefix}PROFILES_FILE"):
-                profiles_file = env[f"{prefix}PROFILES_FILE"]
-    raw_profiles: dict[str, dict[str, Any] | None]
-    default = "default"
-    where = "environment"
-    if profiles_file is not None:
-        where = str(profiles_file)
-        parsed = read_profiles_file(profiles_file)
-        raw_profiles = parsed.profiles
-        default = parsed.default_profile
-    else:
-        names_list = ["default"]
-        for prefix in prefixes:
-            if env.get(f"{prefix}PROFILES"):
-                names_list = [p.strip() for p in env[f"{prefix}PROFILES"].split(",") if p.strip()]
-        raw_profiles = {n: {} for n in names_list}
-    profiles: dict[str, SandboxConfig] = {}
-    for name, data in raw_profiles.items():
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{where}: profile {name!r}: expected a mapping of keys, got {type(data).__name__}")
-        file_values = _normalise(data, where, name)
-        merged = {**base, **file_values}
-        keys = {**base_names, **{f: f"{k}" for k, f in ((k, ALIASES.get(k, k)) for k in data)}}
-        for prefix in prefixes:
-            vals, names = _env_values(env, prefix, name)
-            merged.update(vals)
-            keys.update(names)
-        profiles[name] = build_profile(str(name), merged, where, cls, keys)
-    if default not in profiles:
-        raise ConfigError(f"{where}: default_profile {default!r} is not one of the profiles "
-                          f"({', '.join(map(str, profiles)) or 'none defined'})")
-    return profiles, default
-
-
-def _check_duplicate_keys(node: Any, where: str, path: tuple[str, ...] = ()) -> None:
-    """Refuse a key given twice in one mapping (YAML itself would silently keep the last)."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                profile = f"profile {path[1]!r}: " if len(path) >= 2 and path[0] == "profiles" else ""
-                raise ConfigError(f"{where}: {profile}key {key!r} appears twice "
-                                  f"(lines {seen[key]} and {line})")
-            seen[key] = line
-            _check_duplicate_keys(value_node, where, (*path, key))
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _check_duplicate_keys(item, where, path)
-
-
-def read_profiles_file(path: str | os.PathLike[str]) -> ProfilesFile:
-    """Parse a profiles YAML file's top level (profiles are validated by load_profiles)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: profiles file not found") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: profiles file is not UTF-8 text (byte {exc.start})") from None
-    except ValueError as exc:  # e.g. a NUL in the path
-        raise ConfigError(f"{str(p)!r}: not a usable path: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read profiles file: {exc.strerror}") from None
-    try:
-        _check_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), str(p))
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
-    if data is None:
-        raise ConfigError(f"{p}: profiles file is empty; expected 'profiles:'")
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{p}: expected a mapping with 'profiles:', got {type(data).__name__}")
-    try:
-        parsed = ProfilesFile(**data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(x) for x in err["loc"])
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        raise ConfigError(f"{p}: key {key!r}: {msg} (got {err.get('input')!r:.80})") from None
-    if not parsed.profiles:
-        raise ConfigError(f"{p}: 'profiles:' defines no profile")
-    return parsed

@@ -20,6 +20,11 @@ Modal SDK, bubblewrap) are translated here, so callers never import theirs::
 
 A tool call never raises these: a failed command comes back as an
 ``ExecutionResult`` with ``success=False``.
+
+One warning category, :class:`ConfigWarning` (a ``UserWarning``), is issued through
+:mod:`warnings` when a setting of the original implementation is accepted but
+means nothing here, or when a default is chosen for the user; it names the
+variable or key.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ class ConfigError(HermesModalToolError, ValueError):
     def errors(self) -> list:
         """The underlying validation errors (pydantic's shape), if any."""
         return self._errors
+
+
+class ConfigWarning(UserWarning):
+    """Warned when a setting is accepted but has no effect here (it names the
+    variable or key), or when a default is picked on the user's behalf."""
 
 
 class SecretNotFoundError(ConfigError):

@@ -226,7 +226,8 @@ class SandboxPool:
             task.add_done_callback(_swallow)
 
     async def _reap_idle(self) -> None:
-        interval = min(max(self.config.idle_timeout / 4, 0.05), 5.0)
+        idle_limit = self.config.scale_down_after  # None: never scale down
+        interval = min(max(min(self.config.idle_timeout, idle_limit or math.inf) / 4, 0.05), 5.0)
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
@@ -236,8 +237,8 @@ class SandboxPool:
                     continue
                 if now - sb.started_at > self.config.max_lifetime:
                     self._retire(sb)  # replaced below if that leaves fewer than the minimum
-                elif (self.config.scale_down_idle and self._live() > self.config.min_sandboxes
-                      and now - sb.last_used > self.config.idle_timeout):
+                elif (idle_limit is not None and self._live() > self.config.min_sandboxes
+                      and now - sb.last_used > idle_limit):
                     self._retire(sb)
             self._grow()
 

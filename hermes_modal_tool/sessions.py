@@ -115,6 +115,10 @@ class SlotSessions:
                     "state": s.slot.state.value}
                 for k, s in self._sessions.items()}
 
+    def slots(self) -> dict[str, Slot]:
+        """Each key's slot (a snapshot)."""
+        return {k: s.slot for k, s in self._sessions.items()}
+
     def __contains__(self, key: object) -> bool:
         return key in self._sessions
 

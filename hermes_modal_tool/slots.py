@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -80,6 +81,12 @@ class ExecutionResult:
         """The command's exit code (124 on timeout); None when nothing ran."""
         return self.metadata.get("returncode")
 
+    def to_tool_result(self) -> ToolResult:
+        """This result as the original's agent-facing ``ToolResult`` (``error`` is
+        ``""`` on success and ``uniq_id`` is the ``execution_id``, as there)."""
+        return ToolResult(success=self.success, output=self.output, error=self.error or "",
+                          metadata=dict(self.metadata), uniq_id=self.execution_id)
+
     @classmethod
     def failure(cls, error: str, slot_id: str | None = None, **metadata: Any) -> ExecutionResult:
         """A failed result that never reached (or never came back from) the sandbox."""
@@ -104,6 +111,42 @@ class ExecutionResult:
         meta.update(result.get("data") or {})
         return cls(success=error is None, output=result.get("output", ""), error=error,
                    execution_id=execution_id, slot_id=slot_id, metadata=meta)
+
+
+@dataclass
+class ToolResult:
+    """A tool call's result as an agent loop consumes it (the original Atropos shape).
+
+    Attributes:
+        success: as :attr:`ExecutionResult.success`.
+        output: the tool's text output.
+        error: why it failed; ``""`` on success.
+        metadata: ``returncode``, ``duration_s``, ``timed_out``, ... (see ExecutionResult).
+        uniq_id: the call's id (the ``execution_id``; Hermes matches it to its tool call).
+    """
+
+    success: bool
+    output: str = ""
+    error: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    uniq_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"success", "output", "error", "metadata", "uniq_id"}``."""
+        return {"success": self.success, "output": self.output, "error": self.error,
+                "metadata": self.metadata, "uniq_id": self.uniq_id}
+
+    def to_xml(self) -> str:
+        """``<tool_response>{json}</tool_response>`` as Hermes-style prompts include it
+        (``error``, ``metadata`` and ``uniq_id`` only when set)."""
+        data: dict[str, Any] = {"success": self.success, "output": self.output}
+        if self.uniq_id:
+            data["uniq_id"] = self.uniq_id
+        if self.error:
+            data["error"] = self.error
+        if self.metadata:
+            data["metadata"] = self.metadata
+        return f"<tool_response>{json.dumps(data, default=str)}</tool_response>"
 
 
 def now() -> float:

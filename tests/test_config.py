@@ -368,7 +368,58 @@ def test_direct_construction_raises_config_error(fields):
         SandboxConfig(**fields)
 
 
-def test_backend_rejects_unknown_default_profile():
+def test_unknown_default_profile_raises_when_a_call_needs_it():
+    # Code that names a profile on every call never needs the default (the original
+    # accepted this); a call that needs it gets a clear error naming both.
+    backend = ToolBackend(profiles={"a": SandboxConfig(name="a")}, default_profile="b")
+    assert backend.profile("a").name == "a"
     with pytest.raises(ConfigError) as exc:
-        ToolBackend(profiles={"a": SandboxConfig(name="a")}, default_profile="b")
-    assert "b" in str(exc.value) and "a" in str(exc.value)
+        backend.profile()
+    assert "'b'" in str(exc.value) and "a" in str(exc.value) and "profile=" in str(exc.value)
+
+
+# -- every problem at once ---------------------------------------------------------------
+
+EVERY_ERROR_YAML = """\
+extra: 1
+profiles:
+  default:
+    cpu: lots
+    cpus: 2
+    memory: 1
+    memory: 2
+  gpu:
+    min_pool: 4
+    max_pool: 2
+  web: 3
+  fine: {}
+"""
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
+    path = write(tmp_path, EVERY_ERROR_YAML)
+    with pytest.raises(ConfigError) as exc:
+        load(path, TERMINAL_MODAL_PROFILE_FINE_MEMORY="big")
+    lines = str(exc.value).splitlines()
+    assert lines[0] == f"{path}: 7 problems:"
+    expected = [("'default'", "'memory'", "twice"), ("'extra'", "unknown key"),
+                ("'default'", "'cpu'", "'lots'"), ("'default'", "'cpus'", "unknown key"),
+                ("'gpu'", "min_pool", "max_pool"), ("'web'", "mapping"),
+                ("TERMINAL_MODAL_PROFILE_FINE_MEMORY", "'fine'", "'big'")]
+    for words in expected:
+        [line] = [x for x in lines[1:] if all(w in x for w in words)]  # one line per problem
+        assert line.startswith(f"- {path}: ") or "TERMINAL_MODAL_PROFILE_FINE_MEMORY" in line
+
+
+def test_profiles_check_lists_every_error(tmp_path):
+    from click.testing import CliRunner
+
+    from hermes_modal_tool import cli
+
+    path = write(tmp_path, EVERY_ERROR_YAML)
+    result = CliRunner().invoke(cli.main, ["profiles", "check", str(path)])
+    assert result.exit_code == 1
+    for words in (["'memory'", "twice"], ["'extra'"], ["'cpu'", "lots"], ["'cpus'"],
+                  ["'gpu'", "min_pool"], ["'web'"]):
+        assert any(all(w in line and str(path) in line for w in words)
+                   for line in result.output.splitlines()), (words, result.output)

@@ -22,6 +22,7 @@ EXPECTED_ALL = [
     "BackendClosedError",
     "CommandTimeoutError",
     "ConfigError",
+    "ConfigWarning",
     "CredentialsError",
     "ExecutionResult",
     "HermesModalToolError",
@@ -37,6 +38,7 @@ EXPECTED_ALL = [
     "Slot",
     "SlotState",
     "ToolBackend",
+    "ToolResult",
     "UsageError",
     "load_profiles",
 ]

@@ -211,7 +211,12 @@ def test_configuration_errors_come_back_as_json(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("TERMINAL_ENV", "modal")
     for var in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_SERVER_URL"):
         monkeypatch.delenv(var, raising=False)
-    assert check_terminal_requirements() is True  # the driver is installed
+    # The driver is installed, but there are no credentials (the original checked
+    # MODAL_TOKEN_ID or ~/.modal.toml too).
+    assert check_terminal_requirements() is False
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-placeholder")
+    assert check_terminal_requirements() is True
+    monkeypatch.delenv("MODAL_TOKEN_ID")
     out = run("echo hi")
     assert out["exit_code"] == -1 and "no Modal credentials" in out["error"], out
     assert "MODAL_TOKEN_ID" in out["error"] and "TERMINAL_ENV=local" in out["error"]

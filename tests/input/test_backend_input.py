@@ -64,8 +64,12 @@ def test_constructor_refuses_profiles_that_are_not_a_mapping(profiles: Any) -> N
 
 @pytest.mark.parametrize("default", ["nope", 5, "A"])
 def test_unknown_default_profile_is_named_with_the_known_ones(default: Any) -> None:
+    # A name that is not a profile is refused when a call needs the default (code
+    # that names a profile on every call never does); a non-name at once.
     with pytest.raises(ConfigError) as info:
-        ToolBackend(profiles={"a": SandboxConfig()}, default_profile=default)
+        backend = ToolBackend(profiles={"a": SandboxConfig()}, default_profile=default)
+        assert backend.profile("a").name == "a"
+        backend.profile()
     assert repr(default) in str(info.value) and "a" in str(info.value), str(info.value)
 
 
@@ -86,8 +90,9 @@ def test_with_profiles_bad_file_names_file_profile_and_key(tmp_path: Path) -> No
 
 
 def test_with_profiles_default_profile_not_in_profiles(tmp_path: Path) -> None:
+    backend = ToolBackend.with_profiles(profiles={"default": SandboxConfig()}, default_profile="other")
     with pytest.raises(ConfigError, match="'other'"):
-        ToolBackend.with_profiles(profiles={"default": SandboxConfig()}, default_profile="other")
+        backend.profile(None)
 
 
 def test_with_profiles_keeps_modal_default_for_modal_backend() -> None:
