@@ -88,7 +88,7 @@ def test_batch_bad_input_exits_2_naming_the_line(tmp_path: Path, monkeypatch, li
     def no_sandboxes(*args, **kwargs):
         raise AssertionError("a sandbox backend was created for bad input")
 
-    monkeypatch.setattr(cli, "ToolBackend", no_sandboxes)
+    monkeypatch.setattr(cli.batch, "ToolBackend", no_sandboxes)
     batch = write_jsonl(tmp_path / "bad.jsonl", lines)
     result = run("batch", str(batch))
     assert result.exit_code == 2
