@@ -1,9 +1,12 @@
-"""What the commands share: the bad-input error, the profiles to run with, the console."""
+"""What the commands share: the bad-input error, the profiles to run with, the console,
+running a coroutine that SIGTERM and SIGHUP stop as cleanly as Ctrl-C."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import asyncio
+import signal
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -64,3 +67,58 @@ def make_console(stderr: bool = False) -> Console:
     if not console.is_terminal:
         console.width = max(console.width, 120)
     return console
+
+
+T = TypeVar("T")
+#: Signals that stop a command the way Ctrl-C does (a service manager's stop, a closed terminal).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(Exception):
+    """Raised by :func:`run_stoppable` when SIGTERM or SIGHUP stopped the command.
+
+    ``exit_code`` is 128 + the signal's number, as a shell reports a process killed by it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)``, where SIGTERM and SIGHUP cancel ``coro`` as Ctrl-C does.
+
+    So its ``finally`` blocks (``backend.stop()``: every sandbox stopped, their state
+    directories removed) run before the process exits. A second signal while those
+    run is ignored.
+
+    Raises:
+        Stopped: SIGTERM or SIGHUP arrived (after ``coro`` finished unwinding).
+        KeyboardInterrupt: Ctrl-C (SIGINT), as with ``asyncio.run``.
+    """
+
+    async def main() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        received: list[int] = []
+
+        def stop(signum: int) -> None:
+            if not received:
+                received.append(signum)
+                task.cancel()
+
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop, sig)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if received:
+                raise Stopped(received[0]) from None
+            raise
+        finally:
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    return asyncio.run(main())

@@ -24,7 +24,7 @@ from ..protocol import MAX_TIMEOUT_S
 from ..slots import ExecutionResult
 from ..status import status_table
 from ._batch_file import Trajectory, parse_batch
-from ._common import InputError, make_console, make_profiles
+from ._common import InputError, Stopped, make_console, make_profiles, run_stoppable
 
 OUTPUT_CAP = 2000
 
@@ -216,7 +216,7 @@ def summary_table(s: Mapping[str, Any]) -> Table:
         ("expectation mismatches", str(s["mismatches"])),
         ("sandboxes started", str(s["sandboxes"])),
         ("wall time", f"{s['wall_s']:.2f} s (start {s['startup_s']:.2f} s + run {s['run_s']:.2f} s)"),
-        ("calls per second", f"{s['calls'] / s['run_s']:.1f}" if s["run_s"] > 0 else "-"),
+        ("calls per second (calls / run time)", f"{s['calls'] / s['run_s']:.1f}" if s["run_s"] > 0 else "-"),
         ("call latency p50", _ms(s["p50"])),
         ("call latency p99", _ms(s["p99"])),
     ]
@@ -266,14 +266,17 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
     total = sum(len(t.calls) for t in trajectories)
     try:
         with ProgressReport(console, total, not no_progress) as progress:
-            summary = asyncio.run(run_batch(trajectories, profiles, default, timeout,
-                                            OrderedWriter(stream), progress))
+            summary = run_stoppable(run_batch(trajectories, profiles, default, timeout,
+                                             OrderedWriter(stream), progress))
     except HermesModalToolError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         sys.exit(1)
     except KeyboardInterrupt:
         console.print("interrupted; every sandbox was stopped")
         sys.exit(130)
+    except Stopped as exc:
+        console.print(f"stopped by {exc}; every sandbox was stopped")
+        sys.exit(exc.exit_code)
     finally:
         if stream is not sys.stdout:
             stream.close()

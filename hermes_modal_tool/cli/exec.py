@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 import shlex
 import sys
@@ -14,7 +13,7 @@ from ..backend import ToolBackend
 from ..errors import HermesModalToolError
 from ..protocol import MAX_TIMEOUT_S, TIMEOUT_EXIT_CODE
 from ..slots import ExecutionResult
-from ._common import make_profiles
+from ._common import Stopped, make_profiles, run_stoppable
 
 #: Exit code of ``exec`` when the engine could not run the command (as ``docker run``).
 ENGINE_FAILURE_EXIT_CODE = 125
@@ -59,12 +58,15 @@ def exec_(profiles_file: str | None, profile: str | None, timeout: float | None,
             await backend.stop()
 
     try:
-        r = asyncio.run(run())
+        r = run_stoppable(run())
     except HermesModalToolError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(ENGINE_FAILURE_EXIT_CODE)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Stopped as exc:
+        click.echo(f"error: stopped by {exc}; the sandbox was stopped", err=True)
+        sys.exit(exc.exit_code)
     click.echo(r.output, nl=False)
     rc = r.returncode
     if r.error and (r.metadata.get("timed_out") or rc is None or rc >= 128):
