@@ -8,7 +8,8 @@ Example:
 Exit codes: ``batch`` 0 when every expectation is met, 1 when one is not (or the
 engine failed), 2 for bad input (nothing started); ``exec`` the command's own exit
 code, 124 on timeout, 125 when the engine could not run it; ``profiles check`` 0
-valid, 1 invalid.
+valid, 1 invalid. Ctrl-C, SIGTERM and SIGHUP stop ``batch`` and ``exec`` cleanly (every
+sandbox stopped, its state removed), exiting 130, 143 and 129 (128 + the signal).
 """
 
 from __future__ import annotations
