@@ -107,3 +107,13 @@ def test_readme_python_block_runs_as_shown(block: Block, modal_server, block_tmp
     assert proc.returncode == 0, said
     assert "Traceback" not in proc.stderr, said
     assert sorted(os.listdir(block_tmp)) == [], f"left in TMPDIR: {said}"
+
+
+def test_blocks_their_sections_and_markers_are_found() -> None:
+    text = ("# Title\n\n```bash\necho no\n```\n\n## Part one\n\n```python\nprint(1)\n```\n\n"
+            "<!-- readme-test: compile-only: needs a GPU -->\n\n```py\nimport torch\n```\n"
+            "```yaml\na: 1\n```\n")
+    found = python_blocks(text)
+    assert [(b.line, b.section, b.code, b.marker) for b in found] == [
+        (9, "Part one", "print(1)\n", None),
+        (15, "Part one", "import torch\n", "compile-only: needs a GPU")]
