@@ -5,5 +5,5 @@
 # Extra arguments go to `hermes-modal-tool batch` (e.g. --max-sandboxes 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh core   # the package and its runtime dependencies only
 exec .venv/bin/hermes-modal-tool batch examples/coding_rollouts.jsonl -o results.jsonl "$@"

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Create .venv with Python >= 3.10 and install the package with its dev extras.
-# Idempotent; used by scripts/main.sh and scripts/test.sh (and so by .ci/run).
+# Create .venv with Python >= 3.10 and install the package into it.
+#   bash scripts/setup.sh core   the package and its runtime dependencies only (scripts/main.sh)
+#   bash scripts/setup.sh dev    that plus every dev extra: adapters, Modal SDK, test tools
+#                                (scripts/test.sh, and so .ci/run); the default
+# Idempotent: a stamp per level and pyproject.toml; a dev install also satisfies core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+level="${1:-dev}"
+case "$level" in
+  core) spec="." ;;
+  dev) spec=".[dev]" ;;
+  *) echo "setup: unknown level '$level' (use core or dev)" >&2; exit 2 ;;
+esac
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   for cand in python3.11 python3.12 python3.13 python3.10 python3; do
@@ -15,10 +24,14 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)
-if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[dev]"
-  rm -f .venv/.installed-*
-  touch "$stamp"
+hash=$(sha256sum pyproject.toml | cut -c1-16)
+if [ -f ".venv/.installed-dev-$hash" ] || [ -f ".venv/.installed-$level-$hash" ]; then
+  exit 0
 fi
+echo "setup: installing the package ($level) into .venv (first run only)" >&2
+if [ "$level" = dev ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+.venv/bin/python -m pip install --quiet -e "$spec"
+rm -f .venv/.installed-*
+touch ".venv/.installed-$level-$hash"

