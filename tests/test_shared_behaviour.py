@@ -175,3 +175,32 @@ async def test_a_secret_reaches_only_its_profiles_slots(driver_backend, secret_v
     assert r2.success and secret_value not in r2.output and "API_KEY" not in r2.output
     assert secret_value not in json.dumps(backend.get_status(), default=str)
     assert secret_value not in caplog.text
+
+
+async def test_a_slot_owns_its_root_or_status_says_workspace_only(driver_backend):
+    """With a layered root (``filesystem: overlay``) a slot is root and writes /usr, /etc and
+    /workspace privately; where the sandbox cannot give slots one, status says
+    ``workspace-only`` and why, and the system directories stay read-only."""
+    backend = await driver_backend(slots_per_sandbox=2, max_sandboxes=1)
+    pool = backend.get_status()["pools"][backend.default_profile]
+    tag = secrets.token_hex(4)
+    a = await backend.acquire("owner")
+    b = await backend.acquire("neighbour")
+    writes = (f"echo {tag} > /usr/local/bin/tool-{tag}; echo {tag} > /etc/motd-{tag}; "
+              f"mkdir -p /workspace && echo {tag} > /workspace/x-{tag}")
+    ra = await bash(backend, a, f"{writes}; id -u")
+    reads = f"cat /usr/local/bin/tool-{tag} /etc/motd-{tag} /workspace/x-{tag} 2>&1"
+    if pool["filesystem"] == "overlay":
+        assert ra.success and ra.output.split() == ["0"], (ra.output, ra.error)
+        rb = await bash(backend, b, reads)
+        assert tag not in rb.output.replace(f"-{tag}", "")
+        await backend.release(a, reset_workspace=True)
+        again = await backend.acquire("next")
+        rc = await bash(backend, again, reads)
+        assert tag not in rc.output.replace(f"-{tag}", "")
+    else:
+        assert pool["filesystem"] == "workspace-only" and pool["filesystem_note"], pool
+        assert not ra.success and tag not in (await bash(backend, b, reads)).output
+    on_host = await asyncio.to_thread(lambda: [os.path.lexists(f"/usr/local/bin/tool-{tag}"),
+                                                os.path.lexists(f"/etc/motd-{tag}")])
+    assert on_host == [False, False]

@@ -402,8 +402,13 @@ class Agent:
         self.trash_dir = os.path.join(self.state_dir, "trash")
         for sub in ("fs", "mnt", "trash"):
             os.makedirs(os.path.join(self.state_dir, sub), mode=0o711, exist_ok=True)
+        hidden = list(self.hide) + [self.state_dir, self.ctl_root]
+        base = self.workspace_base.rstrip("/")
+        if not (base == self.host_root or base.startswith(self.host_root + "/")
+                or self.host_root.startswith(base + "/")):
+            hidden.append(self.host_root)  # workspace-only layout's dirs (not the slots' base)
         self.upper_plan = rootfs.UpperPlan(
-            list(self.hide) + [self.state_dir, self.ctl_root, self.host_root],
+            hidden,
             cfg.get("masked") or [], bool(cfg.get("hide_host_top", False)))
         return "overlay", ""
 
@@ -447,8 +452,6 @@ class Agent:
         """Start one call in an idle slot; its result is sent when it ends."""
         mid = msg.get("id")
         started = time.monotonic()
-        slot.set_busy(mid)
-        slot.dirty = True  # a reset must drop the writable layer (file tools write it too)
 
         def done(result):
             if not result.get("duration_s"):
@@ -458,6 +461,15 @@ class Agent:
             self.send({"id": mid, "ok": True, "result": result})
             slot.set_idle()
 
+        try:
+            slot.set_busy(mid)
+        except Exception as exc:  # noqa: BLE001 - the call must be answered whatever failed
+            slot.busy = True
+            done(protocol.call_result(
+                error="the slot could not be prepared: %s: %s" % (type(exc).__name__, exc),
+                returncode=None))
+            return
+        slot.dirty = True  # a reset must drop the writable layer (file tools write it too)
         try:
             tool = msg.get("tool")
             args = msg.get("args")

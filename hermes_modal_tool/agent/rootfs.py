@@ -163,23 +163,20 @@ def userns_fd(uid, gid):
         os.waitpid(pid, 0)
 
 
-def mount_idmapped(source, target, uid, gid):
-    """Attach a read-only clone of ``source`` at ``target`` with 0 shown as ``uid``/``gid``."""
+def mount_idmapped(source, target, ns):
+    """Attach a read-only clone of ``source`` at ``target``, ids mapped by user namespace
+    ``ns`` (an fd from :func:`userns_fd`)."""
     lib = libc()
-    ns = userns_fd(uid, gid)
+    tree = _check(lib.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source),
+                              OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC), "open_tree %s" % source)
     try:
-        tree = _check(lib.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source),
-                                  OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC), "open_tree %s" % source)
-        try:
-            attr = _MountAttr(MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV, 0, 0, ns)
-            _check(lib.syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
-                               ctypes.sizeof(attr)), "mount_setattr(IDMAP) %s" % source)
-            _check(lib.syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, os.fsencode(target),
-                               MOVE_MOUNT_F_EMPTY_PATH), "move_mount %s" % target)
-        finally:
-            os.close(tree)
+        attr = _MountAttr(MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV, 0, 0, ns)
+        _check(lib.syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
+                           ctypes.sizeof(attr)), "mount_setattr(IDMAP) %s" % source)
+        _check(lib.syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, os.fsencode(target),
+                           MOVE_MOUNT_F_EMPTY_PATH), "move_mount %s" % target)
     finally:
-        os.close(ns)
+        os.close(tree)
 
 
 def mount_overlay(lower, upper, work, target):
@@ -254,49 +251,92 @@ def pep668_markers():
     return found
 
 
+def separate_mounts(visible):
+    """Top-level directories of ``/`` that are mount points of their own (in a container:
+    ``/usr``, ``/etc`` ... bound in one by one). An overlay's lower layer never shows what
+    is mounted below it, so each gets an overlay of its own. ``visible(name)`` filters."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        name = point[1:]
+        if point.count("/") == 1 and name and visible(name) and os.path.isdir(point) \
+                and not os.path.islink(point) and point not in found:
+            found.append(point)
+    return sorted(found)
+
+
 class UpperPlan:
-    """What every fresh upper layer of a sandbox holds (computed once, applied per tenant)."""
+    """What every fresh writable layer of a sandbox holds (computed once, applied per tenant).
+
+    ``mounts`` are the layer roots: ``/`` and each separately mounted top-level directory
+    (see :func:`separate_mounts`); every entry goes into the layer it falls in.
+    """
 
     def __init__(self, hide, masked, nonstandard_top=True):
         self.whiteouts = hidden_paths(hide, masked, nonstandard_top) + pep668_markers()
         self.empty = sorted((p, m) for p, m in EMPTY_DIRS.items() if os.path.isdir(p))
+        hidden = set(self.whiteouts)
+        skip = set(EMPTY_TOP) | {"proc", "sys", "dev"}
+        self.mounts = ["/"] + separate_mounts(
+            lambda name: name not in skip and "/" + name not in hidden)
 
-    def apply(self, upper, uid, gid, dirs=()):
-        """Fill the new, empty ``upper`` (as the agent: real root); ``dirs`` (absolute, in
-        the slot's view) are created when the root does not have them."""
-        os.chown(upper, uid, gid)
-        os.chmod(upper, 0o755)
+    def layer_of(self, path):
+        """``(mount, path relative to it)`` for an absolute path of the slot's view."""
+        best = "/"
+        for mount in self.mounts:
+            if mount != "/" and (path == mount or path.startswith(mount + "/")):
+                best = mount
+        return best, path[len(best):] if best != "/" else path
+
+    def apply(self, uppers, uid, gid, dirs=()):
+        """Fill the new, empty writable layers ``uppers`` (mount -> upper directory) as the
+        agent (real root); ``dirs`` (absolute, in the slot's view) are created when the
+        root does not have them."""
+        for mount, upper in uppers.items():
+            os.chown(upper, uid, gid)
+            os.chmod(upper, 0o755 if mount == "/" else stat.S_IMODE(os.stat(mount).st_mode))
         for name, mode in self.empty:
-            parent = self._parents(upper, os.path.dirname(name), uid, gid)
-            path = os.path.join(parent, os.path.basename(name))
+            path = self._make(uppers, name, uid, gid)
             os.mkdir(path)
             os.chown(path, uid, gid)
             os.chmod(path, mode)
             os.setxattr(path, OPAQUE, b"y")
-        for path in self.whiteouts:
-            parent = self._parents(upper, os.path.dirname(path), uid, gid)
-            os.mknod(os.path.join(parent, os.path.basename(path)), stat.S_IFCHR | 0o000,
-                     os.makedev(0, 0))
+        for name in self.whiteouts:
+            os.mknod(self._make(uppers, name, uid, gid), stat.S_IFCHR | 0o000, os.makedev(0, 0))
         conf, text = APT_CONF
         if os.path.isdir("/etc/apt/apt.conf.d"):
-            parent = self._parents(upper, "/" + os.path.dirname(conf), uid, gid)
-            path = os.path.join(parent, os.path.basename(conf))
+            path = self._make(uppers, "/" + conf, uid, gid)
             with open(path, "wb") as fh:
                 fh.write(text)
             os.chown(path, uid, gid)
         for d in dirs:
-            if d:
-                self._parents(upper, d, uid, gid, create_mode=0o755)
+            if d and d != "/":
+                mount, rel = self.layer_of(d)
+                self._parents(uppers[mount], mount, rel, uid, gid, create_mode=0o755)
+
+    def _make(self, uppers, path, uid, gid):
+        """Where ``path`` goes in its layer (its parents made); the entry itself is not."""
+        mount, rel = self.layer_of(path)
+        parent = self._parents(uppers[mount], mount, os.path.dirname(rel), uid, gid)
+        return os.path.join(parent, os.path.basename(rel))
 
     @staticmethod
-    def _parents(upper, path, uid, gid, create_mode=None):
-        """Make ``path`` (absolute, in the slot's view) in ``upper`` with the lower's modes;
-        directories missing below get ``create_mode`` (owned by the slot's root)."""
+    def _parents(upper, mount, path, uid, gid, create_mode=None):
+        """Make ``path`` (relative to the layer's ``mount``) in ``upper`` with the lower's
+        modes; directories missing below get ``create_mode`` (owned by the slot's root)."""
         cur = upper
         for part in [p for p in path.split("/") if p]:
             nxt = os.path.join(cur, part)
             if not os.path.isdir(nxt):
-                lower = "/" + os.path.relpath(nxt, upper)
+                lower = os.path.join(mount, os.path.relpath(nxt, upper))
                 if any(lower == p or lower.startswith(p + "/") for p in EMPTY_DIRS):
                     lower = "/nonexistent-in-the-slot"  # below an emptied directory
                 try:
@@ -316,79 +356,104 @@ class UpperPlan:
 
 
 class SlotRoot:
-    """One slot's layered root: its idmapped lower mount, current upper and overlay.
+    """One slot's layered root: its idmapped lower mounts, current uppers and overlays.
 
     Blocking (mount syscalls, a fork): call from worker threads, never the event loop.
+    Layout: ``base/upper`` and ``base/work`` for ``/``, ``base/layers/N/{upper,work}`` for
+    the plan's other mounts, ``base/merged`` the slot's ``/``; the idmapped lowers live in
+    ``mnt`` (outside every tree that is ever deleted).
     """
 
     def __init__(self, base, mnt, uid, gid, plan, trash, dirs=()):
-        self.base = base  # state/fs/slot_N: upper, work, merged
-        self.lower = mnt  # state/mnt/slot_N: the idmapped lower (outside every deleted tree)
+        self.base = base
+        self.lower = mnt
         self.uid = uid
         self.gid = gid
         self.plan = plan
         self.trash = trash
         self.dirs = list(dirs)
         self.merged = os.path.join(base, "merged")
-        self.mounted = False
-        self._lower_ready = False
+        self.mounted = []  # overlay mount points, in mount order
+        self._lowers = []  # attached idmapped lowers, one per plan mount
         self._seq = 0
         self._lock = threading.Lock()
 
+    def _layer_dirs(self, i):
+        top = self.base if i == 0 else os.path.join(self.base, "layers", str(i))
+        return os.path.join(top, "upper"), os.path.join(top, "work")
+
     def ensure(self):
-        """Mount the slot's root if it is not mounted (a fresh upper)."""
+        """Mount the slot's root if it is not mounted (fresh uppers)."""
         with self._lock:
             if self.mounted:
                 return
-            if not self._lower_ready:
-                os.makedirs(self.lower, mode=0o700, exist_ok=True)
-                mount_idmapped("/", self.lower, self.uid, self.gid)
-                self._lower_ready = True
+            mounts = self.plan.mounts
+            if not self._lowers:
+                ns = userns_fd(self.uid, self.gid)
+                try:
+                    for i, mount in enumerate(mounts):
+                        target = os.path.join(self.lower, str(i))
+                        os.makedirs(target, mode=0o700, exist_ok=True)
+                        mount_idmapped(mount, target, ns)
+                        self._lowers.append(target)
+                finally:
+                    os.close(ns)
             os.makedirs(self.base, mode=0o700, exist_ok=True)
             os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds merged from here
-            upper = os.path.join(self.base, "upper")
-            work = os.path.join(self.base, "work")
-            for path in (upper, work):
-                os.mkdir(path, 0o700)
-            self.plan.apply(upper, self.uid, self.gid, self.dirs)
+            uppers = {}
+            for i, mount in enumerate(mounts):
+                upper, work = self._layer_dirs(i)
+                os.makedirs(os.path.dirname(upper), mode=0o700, exist_ok=True)
+                for path in (upper, work):
+                    os.mkdir(path, 0o700)
+                uppers[mount] = upper
+            self.plan.apply(uppers, self.uid, self.gid, self.dirs)
             os.makedirs(self.merged, mode=0o755, exist_ok=True)
-            mount_overlay(self.lower, upper, work, self.merged)
-            self.mounted = True
+            try:
+                for i, mount in enumerate(mounts):
+                    upper, work = self._layer_dirs(i)
+                    target = self.merged if mount == "/" else self.merged + mount
+                    mount_overlay(self._lowers[i], upper, work, target)
+                    self.mounted.append(target)
+            except OSError:
+                self._umount_all()
+                raise
+
+    def _umount_all(self):
+        for target in reversed(self.mounted):
+            umount(target)
+        self.mounted = []
 
     def discard(self):
-        """Drop the slot's writable layer; return the trash path to delete later (or None).
+        """Drop the slot's writable layers; return the trash path to delete later (or None).
 
-        The slot's processes must be gone. The next :meth:`ensure` mounts a fresh upper.
+        The slot's processes must be gone. The next :meth:`ensure` mounts fresh uppers.
         """
         with self._lock:
-            if self.mounted:
-                umount(self.merged)
-                self.mounted = False
-            upper = os.path.join(self.base, "upper")
-            if not os.path.lexists(upper):
+            self._umount_all()
+            names = [n for n in ("upper", "work", "layers")
+                     if os.path.lexists(os.path.join(self.base, n))]
+            if not names:
                 return None
             self._seq += 1
             dest = os.path.join(self.trash, "%s-%d" % (os.path.basename(self.base), self._seq))
             os.mkdir(dest, 0o700)
-            for name in ("upper", "work"):
-                if os.path.lexists(os.path.join(self.base, name)):
-                    os.rename(os.path.join(self.base, name), os.path.join(dest, name))
+            for name in names:
+                os.rename(os.path.join(self.base, name), os.path.join(dest, name))
             return dest
 
     def teardown(self):
         """Unmount everything of this slot (the agent is stopping)."""
         with self._lock:
-            if self.mounted:
-                umount(self.merged)
-                self.mounted = False
-            if self._lower_ready:
-                umount(self.lower)
-                self._lower_ready = False
+            self._umount_all()
+            for target in reversed(self._lowers):
+                umount(target)
+            self._lowers = []
 
     def usage_bytes(self):
-        """Bytes the slot has written (its upper layer's blocks); linear in its files."""
+        """Bytes the slot has written (its writable layers' blocks); linear in its files."""
         total = 0
-        stack = [os.path.join(self.base, "upper")]
+        stack = [os.path.join(self.base, "upper"), os.path.join(self.base, "layers")]
         while stack:
             path = stack.pop()
             try:
@@ -423,7 +488,11 @@ def probe(state_dir):
     try:
         for name in ("lower", "upper", "work", "merged"):
             os.makedirs(os.path.join(test, name), exist_ok=True)
-        mount_idmapped("/", lower, 65534, 65534)
+        ns = userns_fd(65534, 65534)
+        try:
+            mount_idmapped("/", lower, ns)
+        finally:
+            os.close(ns)
         try:
             mount_overlay(lower, os.path.join(test, "upper"), os.path.join(test, "work"),
                           os.path.join(test, "merged"))

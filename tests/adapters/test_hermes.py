@@ -97,7 +97,9 @@ def test_a_task_keeps_its_shell_and_tasks_are_apart() -> None:
 
     other = run("pwd; ls -A; cat " + workspace_a + "/s.txt", task_id="b")
     workspace_b = other["output"].splitlines()[0]
-    assert workspace_b != workspace_a.rsplit("/", 1)[0]
+    # Each task starts in its own private /workspace (the original's workdir), as if it
+    # owned a container: b's /workspace is not a's.
+    assert workspace_a == "/workspace/proj" and workspace_b == "/workspace"
     assert other["exit_code"] != 0 and "secret" not in other["output"]
 
     assert run("false", task_id="a") == {"output": "", "exit_code": 1, "error": None}
@@ -105,7 +107,7 @@ def test_a_task_keeps_its_shell_and_tasks_are_apart() -> None:
     assert default["exit_code"] == 0
     info = get_active_environments_info()
     assert info["task_ids"] == ["a", "b", "default"] and info["count"] == 3
-    assert info["tasks"]["a"]["workspace"] == workspace_a.rsplit("/", 1)[0]
+    assert info["tasks"]["a"]["workspace"].startswith("/data/slot_")
 
 
 def test_eight_threads_at_once() -> None:
