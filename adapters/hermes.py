@@ -303,12 +303,20 @@ class _Manager:
                 "available_slots": status["available_slots"]}
 
     async def _disk_usage_mb(self) -> float:
-        """MiB of files in the tasks' workspaces (slots running a command are skipped:
-        measuring them would wait for the command; up to 10000 files per slot)."""
+        """MiB of files in the tasks' workspaces and working directories (slots running a
+        command are skipped: measuring them would wait for the command; up to 10000 files
+        per directory)."""
         slots = [s for s in self.sessions.slots().values() if s.state is SlotState.ACQUIRED]
-        listings = await self.backend.execute_batch(
-            [(s, "list_files", {"path": ".", "recursive": True, "max_entries": 10000}) for s in slots],
-            timeout_s=10)
+        requests = []
+        for s in slots:
+            workdir = self.backend.profiles[s.profile].workdir
+            dirs = [s.workspace_dir]
+            if workdir and not (workdir + "/").startswith(s.workspace_dir + "/") \
+                    and not (s.workspace_dir + "/").startswith(workdir + "/"):
+                dirs.append(workdir)
+            requests += [(s, "list_files", {"path": d, "recursive": True, "max_entries": 10000})
+                         for d in dirs]
+        listings = await self.backend.execute_batch(requests, timeout_s=10)
         total = sum(e.get("size", 0) for r in listings if r.success
                     for e in r.metadata.get("entries", []) if e.get("type") == "file")
         return round(total / (1024 * 1024), 2)

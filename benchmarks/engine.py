@@ -524,6 +524,12 @@ async def throughput_swerex_gather(sessions: int, cmds: int) -> dict[str, Any]:
 
 
 # -- c. acquire / release -------------------------------------------------------------------
+# 200 MB in 5,000 files of 40 KiB, in the slot's /usr (its writable layer); prints MB.
+BIG_STATE = ("mkdir -p /usr/share/hmt-bulk && cd /usr/share/hmt-bulk && for d in $(seq 50); do "
+             "mkdir $d; for f in $(seq 100); do head -c 40960 /dev/zero > $d/$f; done; done; "
+             "du -sm . | cut -f1")
+
+
 async def acquire_release(n: int, warm: int) -> dict[str, Any]:
     b = await started(cfg())
     try:
@@ -544,14 +550,32 @@ async def acquire_release(n: int, warm: int) -> dict[str, Any]:
             assert r.success, r
             return t3 - t0, t1 - t0, t2 - t1, t3 - t2
 
+        async def after_big(rounds: int) -> list[float]:
+            """release(reset) + acquire of a slot whose last tenant wrote 200 MB in 5,000
+            files into its root (its writable layer is dropped, not deleted in line)."""
+            out = []
+            for i in range(rounds):
+                s = await b.acquire(f"big{i}")
+                [r] = await b.execute_batch([(s, "bash", {"command": BIG_STATE, "timeout": 300})])
+                assert r.success and int(r.output) >= 190, r
+                t0 = perf()
+                await b.release(s, reset_workspace=True)
+                s = await b.acquire(f"after{i}")
+                out.append(perf() - t0)
+                await b.release(s, reset_workspace=True)
+            return out
+
         for _ in range(warm):
             await bare()
             await with_cmd()
         xs = [await bare() for _ in range(n)]
         ys = [await with_cmd() for _ in range(n)]
+        zs = await after_big(3 if n < 100 else 8)
+        filesystem = b.get_status()["pools"][PROFILE]["filesystem"]
     finally:
         await b.stop()
-    return {"acquire_release": summary_ms(xs),
+    return {"filesystem": filesystem, "after_200mb": summary_ms(zs),
+            "acquire_release": summary_ms(xs),
             "acquire_cmd_release": summary_ms([y[0] for y in ys]),
             "part_acquire": summary_ms([y[1] for y in ys]),
             "part_first_cmd": summary_ms([y[2] for y in ys]),
@@ -772,6 +796,12 @@ def render(res: dict[str, Any], quick: bool) -> str:
         add(f"      parts p50: acquire {fmt_ms(ar['part_acquire']['median'])}, first command "
             f"{fmt_ms(ar['part_first_cmd']['median'])} (spawns the shell), release+reset "
             f"{fmt_ms(ar['part_release_reset']['median'])}")
+        if "after_200mb" in ar:
+            z = ar["after_200mb"]
+            add(row(f"   release + acquire after 200 MB / 5,000 files (n={z['n']})",
+                    f"{fmt_ms(z['median'])} / {fmt_ms(z['max'])}", "p50 <= 5 ms",
+                    verdict(z["median"] <= TARGETS["acquire_release_p50_ms"])))
+            add(f"      slot filesystem: {ar.get('filesystem')} (p50 / max)")
         add("")
     if "cold" in res:
         cs = res["cold"]

@@ -33,6 +33,7 @@ from .sandbox import HOST_GRACE_S, Sandbox
 from .slots import ExecutionResult, Slot, SlotState
 
 log = logging.getLogger("hermes_modal_tool")
+_WARNED_WORKSPACE_ONLY: set[str] = set()  # profiles already warned about (once per process)
 
 START_TIMEOUT_S = 120.0
 MAX_CALL_TIMEOUT_S = 86400.0
@@ -160,6 +161,7 @@ class SandboxPool:
                 await sb.close()
                 handle = None
                 raise
+            self._warn_workspace_only()
         except BaseException as exc:
             self._starting -= 1
             if handle is not None:
@@ -183,6 +185,16 @@ class SandboxPool:
         for rec in reversed(recs):  # slot_0 is taken first
             self._offer(rec)
         return sb
+
+    def _warn_workspace_only(self) -> None:
+        """Say once per profile when slots could not get a layered root of their own."""
+        if (self.info.get("filesystem") == "workspace-only" and self.config.filesystem == "auto"
+                and self.name not in _WARNED_WORKSPACE_ONLY):
+            _WARNED_WORKSPACE_ONLY.add(self.name)
+            log.warning("profile %r: slots are workspace-only (no private root filesystem: %s); "
+                        "only the workspace is writable and slots are not root. Set "
+                        "filesystem: workspace-only to silence this.", self.name,
+                        self.info.get("filesystem_note") or "unknown reason")
 
     def _fail_unservable(self, exc: BaseException) -> None:
         """After a failed start, fail the waiters that no other starting sandbox will serve."""

@@ -33,7 +33,7 @@ def check_quickstart(nb: nbformat.NotebookNode) -> None:
     assert "bob   exit=0   still here in /data/slot_1" in text
     assert re.search(r"│ quickstart \* │ 1/1 +│ 2/4 +│ 8 +│ 1 +│ 1 +│ bwrap", text)  # status
     assert "sandboxes after stop: 0" in text
-    assert '{"output": "hello from /data/slot_0/work\\n", "exit_code": 0, "error": null}' in text
+    assert '{"output": "hello from /workspace/work\\n", "exit_code": 0, "error": null}' in text
     assert "1 task released" in text
 
 

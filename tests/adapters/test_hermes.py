@@ -316,9 +316,8 @@ def test_plugin_is_discovered_through_the_entry_point_and_works(hermes_home: Pat
     in_one = call({"command": "pwd; cat f"}, "task-1")
     in_two = call({"command": "pwd; ls -A"}, "task-2")
     workspace_one, content = in_one["output"].split()
-    assert workspace_one.endswith("/w") and content == "one"
-    assert in_two["output"].split() == [in_two["output"].split()[0]]  # empty workspace
-    assert in_two["output"].split()[0] != workspace_one.rsplit("/", 1)[0]
+    assert workspace_one == "/workspace/w" and content == "one"
+    assert in_two["output"].split() == ["/workspace"]  # task-2's own /workspace: empty
 
     timed_out = call({"command": "sleep 20", "timeout": "1"}, "task-2")  # Hermes coerces "1"
     assert timed_out["exit_code"] == 124
@@ -361,4 +360,4 @@ def test_plugin_can_replace_the_terminal_tool_with_the_operators_grant(tmp_path:
     granted = hermes_with(f"plugins:\n  enabled: [{PLUGIN}]\n  entries:\n"
                           f"    {PLUGIN}: {{allow_tool_override: true}}\n")
     assert granted["description"] == TERMINAL_TOOL_DESCRIPTION
-    assert granted["out"]["exit_code"] == 0 and granted["out"]["output"].startswith("/data/slot_")
+    assert granted["out"]["exit_code"] == 0 and granted["out"]["output"] == "/workspace\n"  # the task's own /workspace

@@ -14,10 +14,10 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "hermes_adapter.i
 
 def check_story(text: str) -> None:
     assert "True" in text.splitlines()[0]  # check_terminal_requirements()
-    assert "  /data/slot_0/proj\n  42" in text  # alice's cd stuck; her file ran
-    assert "[bob] $ pwd && ls -A\n  exit_code=0 error=None\n  /data/slot_1\n" in text  # empty, apart
+    assert "  /workspace/proj\n  42" in text  # alice's cd stuck; her file ran
+    assert "[bob] $ pwd && ls -A\n  exit_code=0 error=None\n  /workspace\n" in text  # bob's own, empty
     assert "exit_code=124" in text and "  working" in text  # timeout keeps the output
-    assert "still here in /data/slot_1" in text
+    assert "still here in /workspace" in text
     assert "{'alice': '/data/slot_0', 'bob': '/data/slot_1'}" in text
     assert "[alice] $ ls -A\n  exit_code=0 error=None\n" in text  # emptied by cleanup_vm
     assert "2 tasks released" in text
