@@ -26,6 +26,8 @@ _MODULES = (
     ("hermes_modal_tool.agent.files", "agent/files.py"),
     ("hermes_modal_tool.agent.admission", "agent/admission.py"),
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),
+    ("hermes_modal_tool.agent.slot", "agent/slot.py"),
+    ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),
     ("hermes_modal_tool.agent.main", "agent/main.py"),
 )
 

@@ -1,0 +1,188 @@
+"""A slot inside the agent: its workspace or layered root, control files, shell and calls.
+
+Stdlib-only, Python 3.8.
+"""
+
+import asyncio
+import collections
+import os
+import resource
+
+from . import files, isolation, rootfs
+from .shell import Shell
+
+
+class SlotRuntime:
+    """A slot inside the agent: its workspace, control directory, shell and call queue."""
+
+    def __init__(self, agent, index):
+        self.agent = agent
+        self.index = index
+        self.ws_path = "%s/slot_%d" % (agent.workspace_base.rstrip("/"), index)
+        self.ws_host = os.path.join(agent.host_root, "slot_%d" % index)
+        self.ctl_host = os.path.join(agent.ctl_root, "slot_%d" % index)
+        if agent.uid_base is not None:
+            self.uid = self.gid = agent.uid_base + index
+        else:
+            self.uid = self.gid = None
+        self.env = dict(agent.env)
+        self.env["HOME"] = self.ws_path if agent.isolation == "bwrap" else self.ws_host
+        self.root = None  # the slot's layered root (rootfs.SlotRoot) when it has one
+        self.dirty = False  # a call ran since the last reset
+        self.rlimits = []  # the slot's own (on top of the sandbox's)
+        self.start_dir = self.ws_path
+        if agent.filesystem == "overlay":
+            self.root = rootfs.SlotRoot(
+                os.path.join(agent.state_dir, "fs", "slot_%d" % index),
+                os.path.join(agent.state_dir, "mnt", "slot_%d" % index), self.uid, self.gid,
+                agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir])
+            self.ws_host = self.root.merged + self.ws_path
+            if "HOME" not in agent.config.get("env", {}):
+                self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
+            self.start_dir = agent.workdir or self.ws_path
+            if agent.slot_disk_mb:
+                # No file may outgrow the disk limit (the watcher catches many small ones).
+                self.rlimits = [(resource.RLIMIT_FSIZE, int(agent.slot_disk_mb) * 1024 * 1024)]
+        self.ctl_fds = {}
+        self.queue = collections.deque()  # call messages waiting for this slot
+        self.current = None  # id of the call running now
+        self.pending = None  # that call while it waits for admission or for its shell
+        self.busy = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.shell = Shell(self, agent.loop)
+        self.background_sids = []
+        self.bg_counter = 0
+        if self.root is not None:
+            self.workspace = files.Workspace(self.root.merged, "/", cwd=self.ws_path)
+        else:
+            self.workspace = files.Workspace(
+                self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
+                self.uid, self.gid)
+        self.ready = False  # directories are made on first use (fast sandbox start)
+
+    @property
+    def ctl_path(self):
+        return isolation.CTL_PATH if self.agent.isolation == "bwrap" else self.ctl_host
+
+    def prepare_dirs(self):
+        if self.ready:
+            return
+        os.makedirs(self.ctl_host, mode=0o755, exist_ok=True)
+        if self.root is not None:
+            self.root.ensure()  # bounded: a few mounts and the plan's entries (a fork, once)
+            self.ready = True
+            return
+        if self.uid is not None and self.agent.isolation != "bwrap":
+            # No mount namespace hides other slots' control files: only this slot's uid
+            # may enter its control directory.
+            os.chown(self.ctl_host, self.uid, self.gid)
+            os.chmod(self.ctl_host, 0o500)
+        os.makedirs(self.ws_host, exist_ok=True)
+        self.workspace.wipe()
+        self.ready = True
+
+    def pids_events(self):
+        cg = self.agent.cgroups
+        return cg.pids_limit_events(self.index) if cg else 0
+
+    def memory_limit_hit(self):
+        cg = self.agent.cgroups
+        return bool(cg) and cg.memory_peak_exceeded(self.index)
+
+    def write_ctl(self, name, data):
+        """Write a control file the slot reads (command text, stdin); return its slot path.
+
+        The command file is rewritten on every call, so its descriptor stays open.
+        """
+        fd = self.ctl_fds.get(name)
+        if fd is None:
+            fd = os.open(os.path.join(self.ctl_host, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if name in ("cmd", "stdin"):
+                self.ctl_fds[name] = fd
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], done)
+            os.ftruncate(fd, len(data))
+        finally:
+            if name not in self.ctl_fds:
+                os.close(fd)
+        return "%s/%s" % (self.ctl_path, name)
+
+    def close_ctl(self):
+        for fd in self.ctl_fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.ctl_fds = {}
+
+    # -- calls: one at a time per slot, in arrival order ---------------------------
+    def pump(self):
+        while self.queue and not self.busy:
+            self.agent.start_call(self, self.queue.popleft())
+
+    def set_busy(self, mid):
+        self.prepare_dirs()
+        self.busy = True
+        self.current = mid
+        self.idle.clear()
+
+    def set_idle(self):
+        self.busy = False
+        self.current = None
+        self.idle.set()
+        self.pump()
+
+    async def reset(self):
+        """Kill what ran in the slot and empty its workspace.
+
+        A shell that never ran a command (one pre-started by the last reset) is
+        already fresh and is kept.
+        """
+        shell = self.shell
+        # With a root of its own, a slot that ran anything gets a new root, and its shell
+        # must go too (its mount namespace holds the old one).
+        drop = self.root is not None and (self.dirty or shell.used)
+        self.dirty = False
+        if drop or shell.used or not (shell.alive or shell.starting):
+            await shell.stop()
+            if self.agent.cgroups:
+                self.agent.cgroups.kill_slot(self.index)
+            self.close_ctl()
+            for name in os.listdir(self.ctl_host):
+                try:
+                    os.unlink(os.path.join(self.ctl_host, name))
+                except OSError:
+                    pass
+        self.background_sids = []
+        shell.resume_dir = None
+        if self.root is None:
+            self.workspace.wipe()
+            return
+        # Drop the writable layer: a rename, whatever the slot wrote; deleted later, off the
+        # event loop. The fresh root is mounted now so the next tenant does not wait for it.
+        if drop or not self.root.mounted:
+            loop = self.agent.loop
+            trash = await loop.run_in_executor(self.agent.spawner, self.root.discard)
+            if trash is not None:
+                self.agent.reap(trash)
+            await loop.run_in_executor(self.agent.spawner, self.root.ensure)
+
+    def fs_creds(self):
+        """Context for file tools: the slot's own filesystem uid when it has a root of its own."""
+        if self.root is None:
+            return _NO_CREDS
+        return rootfs.FsCreds(self.uid, self.gid)
+
+
+class _NoCreds:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CREDS = _NoCreds()
