@@ -611,3 +611,4 @@ def modal_gc(app_name: str | None, dry_run: bool, include_other_hosts: bool) -> 
         table.add_row(o.sandbox_id, o.app, o.profile, o.owner, alive, action)
     console.print(table)
     sys.exit(1 if failed else 0)
+main.add_command(__import__("hermes_modal_tool.mcp_server", fromlist=["mcp_command"]).mcp_command)
