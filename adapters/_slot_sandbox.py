@@ -10,11 +10,12 @@ import uuid
 from typing import Any
 
 from hermes_modal_tool.backend import ToolBackend
-from hermes_modal_tool.errors import UsageError
+from hermes_modal_tool.capture import DEFAULT_MAX_BYTES, run_captured
+from hermes_modal_tool.errors import PoolTimeoutError, SandboxError, UsageError
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import ExecutionResult, Slot
 
-from .langchain import NO_TIMEOUT_S, _acall, _call, _new_key, _run_tool, _thread_key
+from .langchain import NO_TIMEOUT_S, _acall, _call, _new_key, _thread_key
 
 # -- Deep Agents backend -------------------------------------------------------------
 
@@ -48,28 +49,6 @@ get() {{
 }}
 {calls}
 )"""
-
-
-# Runs the command in the shell itself (``cd`` and ``export`` persist) with its
-# output in a file of the slot's private /tmp (the workspace when /tmp is not
-# writable), so the command never sees it in its own workspace; prints that file
-# when it is small enough to come back in one reply, else leaves it for a read.
-# The closing marker says which. A timeout ends the sourced command before the
-# tail runs: no marker, the file is kept.
-_CAPTURE_SCRIPT = """__hmo_f={tmp}
-[ -d /tmp ] && [ -w /tmp ] || __hmo_f={ws}
-{{ {command}
-}} >"$__hmo_f" 2>&1
-__hmo_rc=$?
-if [ "$(\\command wc -c <"$__hmo_f")" -le {small} ]; then
-  \\command cat -- "$__hmo_f"; \\command rm -f -- "$__hmo_f"; __hmo_m=small
-else __hmo_m=file; fi
-\\builtin printf '\\036hermes-output %s %s\\n' {nonce} "$__hmo_m"
-unset __hmo_f __hmo_m
-\\builtin return "$__hmo_rc"
-"""
-# Moves a kept output file into the workspace (for read_artifact).
-_FETCH_SCRIPT = "[ -e {tmp} ] && \\command mv -f -- {tmp} {ws}; :"
 
 
 def _statuses(result: ExecutionResult) -> dict[int, str]:
@@ -125,7 +104,7 @@ def slot_sandbox_class() -> type[Any]:
         def __init__(self, backend: ToolBackend, trajectory_id: str | None = None, *,
                      profile: str | None = None, sessions: SlotSessions | None = None,
                      timeout_s: float | None = None,
-                     max_output_bytes: int = 64 * 2**20) -> None:
+                     max_output_bytes: int = DEFAULT_MAX_BYTES) -> None:
             if sessions is not None and sessions.backend is not backend:
                 raise UsageError("sessions belong to another backend")
             self.backend = backend
@@ -181,37 +160,17 @@ def slot_sandbox_class() -> type[Any]:
                 if timeout < 0:
                     raise ValueError(f"timeout must be non-negative, got {timeout}")
                 args["timeout"] = float(timeout) or NO_TIMEOUT_S
-            slot = await self.sessions.slot(key, self.profile)
-            cap = self.backend.profile(slot.profile).output_limit
-            nonce = uuid.uuid4().hex
-            rel = f".hermes-output-{nonce}"
-            tmp, ws = shlex.quote(f"/tmp/{rel}"), shlex.quote(f"{slot.workspace_dir}/{rel}")
-            args["command"] = _CAPTURE_SCRIPT.format(tmp=tmp, ws=ws, command=command,
-                                                     small=max(0, cap - 200), nonce=nonce)
-            r = await _run_tool(self.sessions, key, "bash", args, self.profile, self.timeout_s)
-            output, rc, truncated = r.output, r.returncode, bool(r.metadata.get("truncated"))
-            mark = f"\x1ehermes-output {nonce} "
-            where = output.rfind(mark)
-            if where >= 0 and output[where + len(mark):].startswith("small"):
-                output = output[:where]  # the whole output came back inline
-            elif r.metadata.get("returncode") is not None or where >= 0:
-                # Too big for one reply, or the command ended early (a timeout): the
-                # full output is in the capture file; read it whole, then remove it.
-                prefix = output[:where] if where >= 0 else output
-                _, read, _ = await self.sessions.execute_many(key, [
-                    ("bash", {"command": _FETCH_SCRIPT.format(tmp=tmp, ws=ws)}),
-                    ("read_artifact", {"path": rel, "encoding": "base64",
-                                       "max_bytes": self.max_output_bytes}),
-                    ("bash", {"command": f"rm -f -- {ws}"}),
-                ], timeout_s=self.timeout_s)
-                if read.success:
-                    data = base64.b64decode(read.metadata.get("content", ""))
-                    output = prefix + data.decode("utf-8", "replace")
-                    truncated = bool(read.metadata.get("truncated"))
-            if r.error and r.error != f"exit code {rc}":  # a timeout, a lost sandbox, ...
+            try:
+                run = await run_captured(self.sessions, key, command, timeout_s=args.get("timeout") or self.timeout_s,
+                                         profile=self.profile, merge_stderr=True,
+                                         max_bytes=self.max_output_bytes)
+            except (PoolTimeoutError, SandboxError) as exc:
+                return ExecuteResponse(output=f"[{type(exc).__name__}: {exc}]", exit_code=None)
+            output = run.stdout.decode("utf-8", "replace")
+            if run.error:  # a timeout, a lost sandbox, ...
                 sep = "\n" if output and not output.endswith("\n") else ""
-                output = f"{output}{sep}[{r.error}]"
-            return ExecuteResponse(output=output, exit_code=rc, truncated=truncated)
+                output = f"{output}{sep}[{run.error}]"
+            return ExecuteResponse(output=output, exit_code=run.exit_code, truncated=run.truncated)
 
         # -- files -------------------------------------------------------------------
         def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:

@@ -103,6 +103,10 @@ def test_big_output_is_whole_and_leaves_no_file_behind() -> None:
             assert small.output.strip().endswith("/d kept") and small.exit_code == 0
             late = sandbox.execute("seq 1 3000; sleep 30", timeout=1)
             assert late.exit_code == 124 and late.output.startswith("1\n2\n") and "3000" in late.output
+            broken = sandbox.execute("echo never; if then")  # bash refuses the line: its message is the output
+            assert broken.exit_code == 2 and "syntax error" in broken.output and not broken.output.startswith("never")
+            binary = sandbox.execute("printf 'a\\0b\\n'")
+            assert binary.output == "a\x00b\n"
             left = sandbox.execute("ls -A ~")
             assert left.output.split() == ["d"], left.output
             capped = SlotSandbox(backend, "big-output", sessions=sandbox.sessions, max_output_bytes=100)
