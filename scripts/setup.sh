@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with Python >= 3.10 and install the package with its dev extras.
+# Create .venv with Python >= 3.10 and install the package with its dev extras, and
+# .venv-agents with the OpenAI Agents SDK (openai>=3; hermes-agent pins openai 2, so
+# the two cannot share one environment).
 # Idempotent; used by scripts/main.sh and scripts/test.sh (and so by .ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +23,13 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install --quiet -e ".[dev]"
   rm -f .venv/.installed-*
   touch "$stamp"
+fi
+if [ ! -x .venv-agents/bin/python ]; then
+  "$PY" -m venv .venv-agents
+fi
+if [ ! -f ".venv-agents/$(basename "$stamp")" ]; then
+  .venv-agents/bin/python -m pip install --quiet --upgrade pip
+  .venv-agents/bin/python -m pip install --quiet -e ".[agents-dev]"
+  rm -f .venv-agents/.installed-*
+  touch ".venv-agents/$(basename "$stamp")"
 fi
