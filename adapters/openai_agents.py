@@ -45,7 +45,7 @@ import io
 import shlex
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from agents.sandbox.errors import (
     ExecTimeoutError,

@@ -21,7 +21,11 @@ import pytest
 from agents import RunConfig, Runner, set_tracing_disabled
 from agents.models.openai_responses import OpenAIResponsesModel
 from agents.sandbox import SandboxAgent, SandboxRunConfig
-from agents.sandbox.errors import ExecTimeoutError, InvalidManifestPathError, WorkspaceReadNotFoundError
+from agents.sandbox.errors import (
+    ExecTimeoutError,
+    InvalidManifestPathError,
+    WorkspaceReadNotFoundError,
+)
 from agents.sandbox.snapshot import LocalSnapshotSpec
 from openai import AsyncOpenAI
 
