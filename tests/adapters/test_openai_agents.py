@@ -163,3 +163,21 @@ def _tool_outputs(server: FakeOpenAIServer) -> list[dict[str, Any]]:
 
 def _slot_dir(text: str) -> str:
     return next(line for line in text.splitlines() if line.startswith("/data/slot_"))
+
+
+def test_benchmark_script_runs_small(tmp_path: Path) -> None:
+    """benchmarks/agents_sdk.py: both clients over the local Modal control plane in one run."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "agents_sdk.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "agents_sdk.py"
+    proc = subprocess.run([sys.executable, str(script), "--commands", "5", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["ours_slot_client"]["rpcs_per_command"] == 0
+    assert res["sdk_modal_client"]["rpcs_by_method_per_command"]["TaskExecStart"] == 1
+    assert res["sdk_modal_client"]["wrong_outputs"] == res["ours_slot_client"]["wrong_outputs"] == 0
+    assert "SlotSandboxClient" in proc.stdout
