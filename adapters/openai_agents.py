@@ -50,6 +50,7 @@ from typing import Literal
 from agents.sandbox.errors import (
     ExecTimeoutError,
     ExecTransportError,
+    InvalidManifestPathError,
     WorkspaceArchiveReadError,
     WorkspaceArchiveWriteError,
     WorkspaceReadNotFoundError,
@@ -166,6 +167,7 @@ class SlotSandboxSession(BaseSandboxSession):
                                          profile=self.state.profile)
         if not r.success:
             error = r.error or "read failed"
+            _raise_if_escape(path, error)
             if error.startswith(("no such file", "not a directory")):
                 raise WorkspaceReadNotFoundError(path=Path(path), context={"error": error})
             raise WorkspaceArchiveReadError(path=Path(path), context={"error": error})
@@ -184,6 +186,7 @@ class SlotSandboxSession(BaseSandboxSession):
             "path": str(target), "encoding": "base64", "content": base64.b64encode(payload).decode("ascii")},
             profile=self.state.profile)
         if not r.success:
+            _raise_if_escape(path, r.error or "")
             raise WorkspaceArchiveWriteError(path=Path(path), context={"error": r.error})
 
     # -- workspace snapshots -------------------------------------------------------------
@@ -293,6 +296,13 @@ class SlotSandboxClient(BaseSandboxClient[SlotSandboxClientOptions]):
     async def aclose(self) -> int:
         """Release every slot this client's sessions hold; return how many."""
         return await self.sessions.close_all()
+
+
+def _raise_if_escape(path: Path | str, error: str) -> None:
+    """The file tools refuse a path that leaves the workspace (e.g. through a symlink):
+    the SDK's error for that is InvalidManifestPathError."""
+    if "outside the workspace" in error or "escapes the workspace" in error:
+        raise InvalidManifestPathError(rel=str(path), reason="escape_root", context={"error": error})
 
 
 def _no_user(user: str | User | None) -> None:

@@ -201,7 +201,7 @@ class SlotToolServer:
         sock.bind(("127.0.0.1", port))
         sock.listen(128)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
-        userver = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        userver = _quiet_server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, userver.stop)
@@ -240,7 +240,7 @@ def _quiet_server_class() -> type[Any]:
     return QuietServer
 
 
-def _QuietServer(config: Any) -> Any:  # noqa: N802 (a class built on first use)
+def _quiet_server(config: Any) -> Any:
     return _quiet_server_class()(config)
 
 

@@ -108,9 +108,12 @@ async def test_session_api_exec_files_timeout_and_paths(make_backend: Any) -> No
         assert (await session.read(Path("pkg/data.bin"))).read() == b"\x00\x01binary\xff"
         with pytest.raises(WorkspaceReadNotFoundError):
             await session.read(Path("missing.txt"))
-        for outside in ("../escape.txt", "/etc/passwd"):
+        await session.exec("ln -s /etc link-out")
+        for outside in ("../escape.txt", "/etc/passwd", "link-out/passwd"):
             with pytest.raises(InvalidManifestPathError):
                 await session.read(Path(outside))
+            with pytest.raises(InvalidManifestPathError):
+                await session.write(Path(outside), io.BytesIO(b"x"))
         with pytest.raises(ExecTimeoutError):
             await session.exec("sleep 30", timeout=1)
         assert (await session.exec("echo alive")).stdout == b"alive\n"  # the shell survived
