@@ -243,3 +243,19 @@ def test_http_malformed_request_gets_protocol_error(http_server: str) -> None:
 def test_config_snippet_command_exists() -> None:
     """The README's client config names the installed command."""
     assert shutil.which("hermes-modal-tool", path=str(Path(sys.executable).parent))
+
+
+def test_bad_profile_or_profiles_file_is_a_clear_error(tmp_path: Path) -> None:
+    """The same flags and variables as the other commands, and the same clear errors."""
+    bad = subprocess.run([COMMAND, "mcp", "--profile", "gpu-large"], env=_env(), capture_output=True,
+                         text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert bad.returncode != 0 and "gpu-large" in bad.stderr and "default" in bad.stderr
+    missing = tmp_path / "nope.yaml"
+    via_env = subprocess.run([COMMAND, "mcp"], env=_env(TERMINAL_MODAL_PROFILES_FILE=str(missing)),
+                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert via_env.returncode != 0 and str(missing) in via_env.stderr
+    profiles = tmp_path / "profiles.yaml"
+    profiles.write_text("default_profile: small\nprofiles:\n  small: {slots_per_sandbox: 2, max_pool: 1}\n")
+    ok = subprocess.run([COMMAND, "mcp", "--profiles-file", str(profiles), "--driver", "local"], env=_env(),
+                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert ok.returncode == 0, ok.stderr  # served, then the client (no stdin) went away
