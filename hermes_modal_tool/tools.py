@@ -35,6 +35,11 @@ READ_FILE_DESCRIPTION = (
     "and `limit` (number of lines) to read a part of a big file. Use encoding `base64` for "
     "binary files (then `offset`/`limit` count bytes). " + OUTPUT_LIMIT_NOTE)
 
+LIST_FILES_DESCRIPTION = (
+    "List the files and directories under a path of your workspace (directories end with "
+    "`/`). `path` is relative to the workspace (or an absolute path inside it); "
+    "`recursive: true` walks subdirectories too.")
+
 WRITE_FILE_DESCRIPTION = (
     "Write a file in your workspace, creating parent directories as needed. Replaces the "
     "file unless `append` is true. `path` is relative to the workspace (or an absolute path "
@@ -81,6 +86,17 @@ class WriteFileArgs(BaseModel):
     append: bool = Field(default=False, description="Append to the file instead of replacing it.")
 
 
+class ListFilesArgs(BaseModel):
+    """Arguments of the ``list_files`` tool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(default=".", description="Directory to list, relative to the workspace.")
+    recursive: bool = Field(default=False, description="Also list what is inside subdirectories.")
+    max_entries: int | None = Field(default=None, ge=1, le=100_000,
+                                    description="Most entries to return; empty for the default (1000).")
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     """A model-facing tool: its name, its description and its argument model."""
@@ -112,6 +128,11 @@ TOOL_SPECS: dict[str, ToolSpec] = {
     "read_file": ToolSpec("read_file", READ_FILE_DESCRIPTION, ReadFileArgs),
     "write_file": ToolSpec("write_file", WRITE_FILE_DESCRIPTION, WriteFileArgs),
 }
+
+
+#: ``list_files``: offered by the MCP server next to TOOL_SPECS (the other adapters keep
+#: the three tools above, so their tool lists do not change).
+LIST_FILES_SPEC = ToolSpec("list_files", LIST_FILES_DESCRIPTION, ListFilesArgs)
 
 
 def _strip_titles(schema: dict[str, Any]) -> dict[str, Any]:

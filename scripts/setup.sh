@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Create .venv with Python >= 3.10 and install the package into it.
-#   bash scripts/setup.sh core   the package and its runtime dependencies only (scripts/main.sh)
-#   bash scripts/setup.sh dev    that plus every dev extra: adapters, Modal SDK, test tools
-#                                (scripts/test.sh, and so .ci/run); the default
+# Create a virtual environment with Python >= 3.10 and install the package into it.
+#   bash scripts/setup.sh core     .venv: the package and its runtime dependencies only (scripts/main.sh)
+#   bash scripts/setup.sh dev      .venv: that plus every dev extra: adapters, Modal SDK, MCP, test
+#                                  tools (scripts/test.sh, and so .ci/run); the default
+#   bash scripts/setup.sh agents   .venv-agents: the OpenAI Agents SDK and the test tools (its
+#                                  openai>=3 cannot share .venv with hermes-agent's openai 2 pin)
 # Idempotent: a stamp per level and pyproject.toml; a dev install also satisfies core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 level="${1:-dev}"
+venv=.venv
 case "$level" in
   core) spec="." ;;
   dev) spec=".[dev]" ;;
-  *) echo "setup: unknown level '$level' (use core or dev)" >&2; exit 2 ;;
+  agents) spec=".[agents-dev]"; venv=.venv-agents ;;
+  *) echo "setup: unknown level '$level' (use core, dev or agents)" >&2; exit 2 ;;
 esac
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
@@ -21,17 +25,17 @@ if [ -z "$PY" ]; then
   done
 fi
 [ -n "$PY" ] || { echo "setup: need Python >= 3.10 on PATH" >&2; exit 1; }
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+if [ ! -x "$venv/bin/python" ]; then
+  "$PY" -m venv "$venv"
 fi
 hash=$(sha256sum pyproject.toml | cut -c1-16)
-if [ -f ".venv/.installed-dev-$hash" ] || [ -f ".venv/.installed-$level-$hash" ]; then
+if [ -f "$venv/.installed-dev-$hash" ] || [ -f "$venv/.installed-$level-$hash" ]; then
   exit 0
 fi
-echo "setup: installing the package ($level) into .venv (first run only)" >&2
-if [ "$level" = dev ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
+echo "setup: installing the package ($level) into $venv (first run only)" >&2
+if [ "$level" != core ]; then
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
-.venv/bin/python -m pip install --quiet -e "$spec"
-rm -f .venv/.installed-*
-touch ".venv/.installed-$level-$hash"
+"$venv/bin/python" -m pip install --quiet -e "$spec"
+rm -f "$venv"/.installed-*
+touch "$venv/.installed-$level-$hash"

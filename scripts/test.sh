@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The test command: set up .venv if needed, then run the whole suite.
+# The test command: set up .venv (and .venv-agents) if needed, then run the whole suite:
+# first the OpenAI Agents SDK tests in .venv-agents, then everything else in .venv.
+# With arguments, only `pytest ARGS` in .venv runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev    # everything the tests need
 .venv/bin/ruff check hermes_modal_tool adapters tests benchmarks
+if [ $# -eq 0 ]; then
+  bash scripts/setup.sh agents  # the OpenAI Agents SDK's own environment
+  .venv-agents/bin/python -m pytest -q -p no:cacheprovider tests/adapters/test_openai_agents.py \
+    tests/adapters/test_openai_agents_notebook.py
+fi
 exec .venv/bin/python -m pytest -q "$@"

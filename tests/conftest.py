@@ -11,6 +11,7 @@ those backends. Leftovers are told apart from other programs' sandboxes (see
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -19,6 +20,11 @@ import pytest
 from support import SMALL, Leftovers, describe
 
 from hermes_modal_tool import SandboxConfig, Slot, ToolBackend
+
+# The OpenAI Agents SDK tests need `openai-agents`, which cannot share an environment with
+# `hermes-agent` (openai 3 vs its openai 2 pin): scripts/test.sh runs them in .venv-agents;
+# an environment without the SDK does not collect them.
+collect_ignore_glob = [] if importlib.util.find_spec("agents") else ["adapters/test_openai_agents*.py"]
 
 
 class BackendFactory:

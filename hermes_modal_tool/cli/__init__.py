@@ -17,6 +17,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from ..mcp_server import mcp_command
 from ..protocol import TOOL_ARGS
 from ._batch_file import parse_batch
 from ._common import InputError
@@ -35,5 +36,5 @@ def main() -> None:
 
 
 # One module per command (group); a new command is one more module and one more line here.
-for command in (batch_command, exec_command, profiles_group, modal_group):
+for command in (batch_command, exec_command, profiles_group, modal_group, mcp_command):
     main.add_command(command)

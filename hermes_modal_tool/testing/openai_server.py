@@ -75,7 +75,21 @@ Script = Sequence[ToolTurn | TextTurn]
 # -- strict-mode checks ---------------------------------------------------------------
 
 def tool_definition_problems(tool: Any, api: str, require_strict: bool = True) -> list[str]:
-    """What is wrong with one tool definition for ``api`` (``"chat"`` or ``"responses"``)."""
+    """What is wrong with one tool definition for ``api`` (``"chat"`` or ``"responses"``).
+
+    A Responses API ``custom`` (free-form) tool, such as the Agents SDK's
+    ``apply_patch``, is accepted when it has a valid name and description; the
+    script never calls it.
+    """
+    if api == "responses" and isinstance(tool, Mapping) and tool.get("type") == "custom":
+        name = tool.get("name")
+        problems = [f"custom tool {name}: unexpected key {k!r}"
+                    for k in sorted(set(tool) - {"type", "name", "description", "format"})]
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            problems.append(f"invalid custom tool name {name!r}: must match {NAME_RE.pattern}")
+        if not isinstance(tool.get("description", ""), str):
+            problems.append(f"custom tool {name}: description must be a string")
+        return problems
     if not isinstance(tool, Mapping) or tool.get("type") != "function":
         return [f"tool {tool!r:.80}: only function tools are scripted here ('type': 'function')"]
     if api == "chat":
