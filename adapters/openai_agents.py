@@ -159,6 +159,13 @@ class SlotSandboxSession(BaseSandboxSession):
         return ExecResult(stdout=run.stdout, stderr=run.stderr, exit_code=run.exit_code)
 
     # -- files ------------------------------------------------------------------------
+    async def _validate_path_access(self, path: Path | str, *, for_write: bool = False) -> Path:
+        """The SDK's remote check (as its Runloop and Cloudflare clients do): a slot is a
+        whole machine whose file tools reach its entire root, so confinement to the
+        workspace, which the SDK's session API promises, is checked in the slot (its
+        realpath helper), symlinks included."""
+        return await self._validate_remote_path_access(path, for_write=for_write)
+
     async def read(self, path: Path, *, user: str | User | None = None) -> io.IOBase:
         _no_user(user)
         target = await self._validate_path_access(path)

@@ -43,7 +43,7 @@ from agents.extensions.sandbox.modal import (
 
 from hermes_modal_tool import ModalSandboxConfig, ModalToolBackend
 from hermes_modal_tool.adapters.openai_agents import SlotSandboxClient, SlotSandboxClientOptions
-from hermes_modal_tool.testing.modal_server import LocalModalServer, serve_in_thread
+from hermes_modal_tool.testing.modal_server import LocalModalServer, serve_for_this_process
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
 from _proc import quantile  # noqa: E402
@@ -114,24 +114,12 @@ async def ours(server: LocalModalServer, n: int) -> dict[str, Any]:
 
 
 def run(n: int) -> dict[str, Any]:
-    saved = {k: os.environ.get(k) for k in ("MODAL_SERVER_URL", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET",
-                                            "MODAL_ENVIRONMENT", "MODAL_CONFIG_PATH")}
     res: dict[str, Any] = {"command": COMMAND, "commands": n, "nproc": len(os.sched_getaffinity(0))}
-    with serve_in_thread() as server:
-        os.environ.update(server.env())
-        LocalModalServer.reset_env_client()
-        try:
-            async def both() -> None:
-                res["sdk_modal_client"] = await sdk_modal(server, n)
-                res["ours_slot_client"] = await ours(server, n)
-            asyncio.run(both())
-        finally:
-            LocalModalServer.reset_env_client()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with serve_for_this_process() as server:
+        async def both() -> None:
+            res["sdk_modal_client"] = await sdk_modal(server, n)
+            res["ours_slot_client"] = await ours(server, n)
+        asyncio.run(both())
     return res
 
 

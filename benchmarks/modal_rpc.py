@@ -60,7 +60,7 @@ from rich.table import Table
 
 from hermes_modal_tool import ModalSandboxConfig, ModalToolBackend, SandboxConfig, ToolBackend
 from hermes_modal_tool.drivers import _modal_sdk
-from hermes_modal_tool.testing.modal_server import LocalModalServer, serve_in_thread
+from hermes_modal_tool.testing.modal_server import LocalModalServer, serve_for_this_process
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
 from _proc import CpuStep, become_subreaper, descendants, proc_stats, quantile  # noqa: E402
@@ -553,22 +553,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick,
                            "subreaper": become_subreaper(), "command": COMMAND}
     t0 = perf()
-    saved = {k: os.environ.get(k) for k in ("MODAL_SERVER_URL", "MODAL_TOKEN_ID",
-                                            "MODAL_TOKEN_SECRET", "MODAL_ENVIRONMENT",
-                                            "MODAL_CONFIG_PATH")}
-    with serve_in_thread() as server:
-        os.environ.update(server.env())
-        LocalModalServer.reset_env_client()
+    with serve_for_this_process() as server:
         res["server"] = {"isolation": server.isolation, "url": server.url}
-        try:
-            res.update(asyncio.run(run_all(server, args)))
-        finally:
-            LocalModalServer.reset_env_client()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        res.update(asyncio.run(run_all(server, args)))
         res["server"]["sandboxes"] = len(server.sandboxes)
         res["server"]["api_versions"] = sorted({r.api_version for r in server.sandboxes.values()})
     res["processes_left"] = live_processes()

@@ -189,23 +189,10 @@ async def backend(config: SandboxConfig) -> Any:
 @contextlib.contextmanager
 def modal_server() -> Iterator[Any]:
     """The local Modal control plane on a thread, with the SDK's environment pointed at it."""
-    from hermes_modal_tool.testing.modal_server import LocalModalServer, serve_in_thread
+    from hermes_modal_tool.testing.modal_server import serve_for_this_process
 
-    keys = ("MODAL_SERVER_URL", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_ENVIRONMENT",
-            "MODAL_CONFIG_PATH")
-    saved = {k: os.environ.get(k) for k in keys}
-    with serve_in_thread() as server:
-        os.environ.update(server.env())
-        LocalModalServer.reset_env_client()
-        try:
-            yield server
-        finally:
-            LocalModalServer.reset_env_client()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with serve_for_this_process() as server:
+        yield server
 
 
 def langchain_execute(sb: Any) -> tuple[Callable[[str], str], str]:

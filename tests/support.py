@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from hermes_modal_tool import ExecutionResult, SandboxConfig, Slot, ToolBackend
@@ -217,4 +218,19 @@ def committed_notebook(path: Any) -> Any:
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count for c in code), f"{path}: not every cell was run"
     assert not any(out.get("output_type") == "error" for c in code for out in c.outputs), path
+    return nb
+
+
+def executed_notebook(path: Any, timeout: float = 120) -> Any:
+    """Run a notebook top to bottom in its own folder with the .venv's ipykernel (raises on
+    the first cell that fails); return it with its fresh outputs."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(Path(path).parent)}}).execute()
     return nb

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
-from support import committed_notebook, notebook_text
+from support import committed_notebook, executed_notebook, notebook_text
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "mcp_server.ipynb"
 
@@ -31,7 +29,4 @@ def test_notebook_is_committed_with_outputs() -> None:
 
 
 def test_notebook_runs() -> None:
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on error
-    check(notebook_text(nb))
+    check(notebook_text(executed_notebook(NOTEBOOK)))

@@ -67,7 +67,8 @@ SDK keeps its default image hydrated across clients.
 """
 
 from ._records import ImageRecord, SandboxRecord
-from .server import LocalModalServer, serve_in_thread
+from .server import LocalModalServer, serve_for_this_process, serve_in_thread
 from .server import main as main  # python -m ... (see __main__.py)
 
-__all__ = ["ImageRecord", "LocalModalServer", "SandboxRecord", "serve_in_thread"]
+__all__ = ["ImageRecord", "LocalModalServer", "SandboxRecord", "serve_for_this_process",
+           "serve_in_thread"]

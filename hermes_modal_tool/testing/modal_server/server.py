@@ -378,6 +378,29 @@ def serve_in_thread(**kwargs: Any) -> Iterator[LocalModalServer]:
             loop.close()
 
 
+@contextlib.contextmanager
+def serve_for_this_process(**kwargs: Any) -> Iterator[LocalModalServer]:
+    """:func:`serve_in_thread`, with this process's ``modal`` SDK pointed at the server
+    (its ``MODAL_*`` environment variables and cached client), both restored on exit.
+
+    For benchmarks and scripts (tests use the ``modal_server`` fixture instead).
+    """
+    with serve_in_thread(**kwargs) as server:
+        env = server.env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        LocalModalServer.reset_env_client()
+        try:
+            yield server
+        finally:
+            LocalModalServer.reset_env_client()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m hermes_modal_tool.testing.modal_server [--port N] [--state-dir DIR]``."""
     parser = argparse.ArgumentParser(description="Serve a local Modal control plane on 127.0.0.1.")
