@@ -126,7 +126,8 @@ async def check_tools_and_shell(session: ClientSession) -> None:
 
 
 async def workspace(session: ClientSession) -> str:
-    r = await session.call_tool("bash", {"command": "cd ~ && pwd"})
+    # A slot sees only its own workspace under the base (HOME is /root, the slot's own).
+    r = await session.call_tool("bash", {"command": "ls -d /data/slot_*"})
     return text(r).split("\n")[0]
 
 
