@@ -115,6 +115,17 @@ def test_exec_shell_line_and_timeout() -> None:
     assert "timed out" in result.stderr
 
 
+def test_exec_shows_bashs_own_name_in_its_messages() -> None:
+    """The file the slot's shell sources a command from is internal: its messages read as a
+    terminal's (`bash: ...`), with the line only for commands of several lines."""
+    result = run("exec", "--", "no-such-command")
+    assert result.exit_code == 127
+    assert result.output == "bash: no-such-command: command not found\n"
+    result = run("exec", "echo one\nno-such-either")
+    assert result.output == "one\nbash: line 2: no-such-either: command not found\n"
+    assert "/run/hmt" not in result.output
+
+
 def test_profiles_check(tmp_path: Path) -> None:
     good = tmp_path / "good.yaml"
     good.write_text("default_profile: small\nprofiles:\n  small:\n    driver: local\n    max_pool: 2\n"

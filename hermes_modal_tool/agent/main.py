@@ -368,7 +368,8 @@ class Agent(DiskWatch):
                 done = self._disk_checked(slot, done)
 
             def begin():
-                slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done)
+                slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done,
+                                 one_line="\n" not in command.strip("\n"))
                 if watched:
                     self.own(self._watch_disk(slot, slot.shell.collector))
         self.launch(slot, msg, begin, done)

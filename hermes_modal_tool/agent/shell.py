@@ -29,6 +29,7 @@ shell in the directory the old one was in.
 
 import asyncio
 import os
+import re
 import select
 import signal
 import subprocess
@@ -62,10 +63,12 @@ class OutputCollector:
     """
 
     __slots__ = ("_prefix", "limit", "head", "tail", "dropped", "_pending", "returncode",
-                 "done", "_keep")
+                 "done", "_keep", "source", "one_line")
 
     def __init__(self, nonce, limit, loop):
         self._prefix = MARK + nonce + b" "
+        self.source = None  # the sourced command file's path (bytes): bash names it in errors
+        self.one_line = False
         self.limit = limit
         self.head = bytearray()
         self.tail = bytearray()
@@ -104,6 +107,11 @@ class OutputCollector:
         """Add output that belongs to this command but came after its end marker."""
         self._store(data)
 
+    def _unname(self, data):
+        if self.source is None or self.source not in data:
+            return data
+        return _unname_in(data, self.source, self.one_line)
+
     def finish(self, returncode=None):
         """End collection without a marker (shell died or was killed)."""
         if self.done.done():
@@ -130,9 +138,14 @@ class OutputCollector:
             del self.tail[:extra]
 
     def text(self):
-        """Return ``(text, truncated)``: decoded with replacement, capped, marker in the middle."""
-        head = self.head.decode("utf-8", "replace")
-        tail = self.tail.decode("utf-8", "replace")
+        """Return ``(text, truncated)``: decoded with replacement, capped, marker in the middle.
+
+        Bash names the file it sources in its messages (``/run/hmt/cmd: line 1: x: command
+        not found``): that internal path is shown as bash's own name, as a terminal shows it
+        (``bash: x: command not found``; ``bash: line N:`` for a command of several lines).
+        """
+        head = self._unname(bytes(self.head)).decode("utf-8", "replace")
+        tail = self._unname(bytes(self.tail)).decode("utf-8", "replace")
         total = len(head) + len(tail) + self.dropped
         if total <= self.limit:
             return head + tail, False
@@ -145,6 +158,11 @@ class OutputCollector:
         last = tail[len(tail) - keep:] if len(tail) >= keep else (head + tail)[-keep:]
         omitted = total - len(first) - len(last)
         return first + marker(omitted) + last, True
+
+
+def _unname_in(data, source, one_line):
+    pattern = re.compile(re.escape(source) + rb": line (\d+): ")
+    return pattern.sub(b"bash: " if one_line else rb"bash: line \1: ", data)
 
 
 def marker(omitted):
@@ -567,8 +585,9 @@ class Shell:
         self.proc = None
 
     # -- running commands --------------------------------------------------
-    def start(self, command_file, stdin_path, env, timeout, limit, on_done):
-        """Start one command (already written to ``command_file``).
+    def start(self, command_file, stdin_path, env, timeout, limit, on_done, one_line=False):
+        """Start one command (already written to ``command_file``; ``one_line``: it is a
+        single line, so bash's messages about it need no line number).
 
         ``on_done(result)`` is called once with a ``call`` result dict: from the
         output reader when the end marker arrives (no task or future on this path),
@@ -580,6 +599,8 @@ class Shell:
         self.cmd_started = isolation.process_clock()
         self.pids_events = self.slot.pids_events()
         collector = OutputCollector(nonce.encode(), limit, self.loop)
+        collector.source = command_file.encode()
+        collector.one_line = one_line
         self.collector = collector
         self.on_done = on_done
         self.timeout = timeout
