@@ -57,12 +57,16 @@ class Workspace:
     """
 
     def __init__(self, host, path, uid=None, gid=None, cwd=None):
-        self.host = host
+        self._host = host  # a path, or a callable giving it (a slot's root changes on reset)
         self.path = path.rstrip("/") or "/"
         self.uid = uid
         self.gid = gid
         self.cwd = cwd
         self.rooted = self.path == "/"
+
+    @property
+    def host(self):
+        return self._host() if callable(self._host) else self._host
 
     # -- path walking --------------------------------------------------------
     def _parts(self, path):

@@ -392,13 +392,26 @@ class Agent(DiskWatch):
                 SPAWN_THREADS, thread_name_prefix="hermes-modal-tool-spawn")
         return self._spawner
 
-    def reap(self, path):
-        """Delete ``path`` (a dropped writable layer) in the background: one worker thread,
-        iterative, never into a mount point; the agent's loop never waits for it."""
+    def layer_work(self, root, old):
+        """In the background (one worker thread, in order; the agent's loop never waits):
+        unmount and delete the dropped layer ``old`` (iteratively, never into a mount point),
+        point ``current`` at the layer in use and prepare the slot's next standby layer."""
         if self._reaper is None:
             self._reaper = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="hermes-modal-tool-reap")
-        self._reaper.submit(files.remove_tree, path)
+                1, thread_name_prefix="hermes-modal-tool-layers")
+
+        def work():
+            try:
+                root.point_current()
+                trash = root.retire(old) if old is not None else None
+                if not self.closing:
+                    root.prepare_standby()
+                if trash is not None:
+                    files.remove_tree(trash)
+            except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
+                sys.stderr.write("hermes-modal-tool agent: layer work failed: %s\n" % (exc,))
+
+        self._reaper.submit(work)
 
     @property
     def spawn_limiter(self):
@@ -582,6 +595,8 @@ class Agent(DiskWatch):
                 if self.cgroups.remove_all():
                     break
                 await asyncio.sleep(0.05)
+        if self._reaper is not None:  # let a layer being built finish before unmounting
+            await self.loop.run_in_executor(None, functools.partial(self._reaper.shutdown, True))
         for slot in self.slots.values():
             if slot.root is not None:
                 try:

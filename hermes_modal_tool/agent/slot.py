@@ -36,7 +36,6 @@ class SlotRuntime:
                 os.path.join(agent.state_dir, "fs", "slot_%d" % index),
                 os.path.join(agent.state_dir, "mnt", "slot_%d" % index), self.uid, self.gid,
                 agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir])
-            self.ws_host = self.root.merged + self.ws_path
             if "HOME" not in agent.config.get("env", {}):
                 self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
             self.start_dir = agent.workdir or self.ws_path
@@ -54,7 +53,8 @@ class SlotRuntime:
         self.background_sids = []
         self.bg_counter = 0
         if self.root is not None:
-            self.workspace = files.Workspace(self.root.merged, "/", cwd=self.ws_path)
+            root = self.root
+            self.workspace = files.Workspace(lambda: root.merged, "/", cwd=self.ws_path)
         else:
             self.workspace = files.Workspace(
                 self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
@@ -71,6 +71,7 @@ class SlotRuntime:
         os.makedirs(self.ctl_host, mode=0o755, exist_ok=True)
         if self.root is not None:
             self.root.ensure()  # bounded: a few mounts and the plan's entries (a fork, once)
+            self.agent.layer_work(self.root, None)  # the next tenant's layer, in the background
             self.ready = True
             return
         if self.uid is not None and self.agent.isolation != "bwrap":
@@ -161,14 +162,14 @@ class SlotRuntime:
         if self.root is None:
             self.workspace.wipe()
             return
-        # Drop the writable layer: a rename, whatever the slot wrote; deleted later, off the
-        # event loop. The fresh root is mounted now so the next tenant does not wait for it.
+        # Swap to the standby layer (pointers only, whatever the slot wrote); the dropped one
+        # is unmounted, renamed and deleted in the background, where the next standby is
+        # prepared too. Without a standby ready, a new layer is mounted in a worker thread.
         if drop or not self.root.mounted:
-            loop = self.agent.loop
-            trash = await loop.run_in_executor(self.agent.spawner, self.root.discard)
-            if trash is not None:
-                self.agent.reap(trash)
-            await loop.run_in_executor(self.agent.spawner, self.root.ensure)
+            old = self.root.discard()
+            if not self.root.swap():
+                await self.agent.loop.run_in_executor(self.agent.spawner, self.root.ensure)
+            self.agent.layer_work(self.root, old)
 
     def fs_creds(self):
         """Context for file tools: the slot's own filesystem uid when it has a root of its own."""

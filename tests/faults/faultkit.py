@@ -170,7 +170,7 @@ class Footprint:
         base = f"{self.state_root}/{slot.sandbox_id}"
         # The slot's bwrap names its workspace, or its layered root (fs/slot_N/merged).
         marks = (f"{base}/ws/slot_{slot.index}\0".encode(),
-                 f"{base}/fs/slot_{slot.index}/merged\0".encode())
+                 f"{base}/fs/slot_{slot.index}/layer-".encode())
         for pid in descendants(agent, table):
             p = table[pid]
             if p.comm != "bash" or p.cmdline != b"bash\0--noprofile\0--norc\0" or p.nspid[-1:] != (2,):

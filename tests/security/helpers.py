@@ -18,7 +18,7 @@ async def call(backend, slot, tool, **args) -> ExecutionResult:
 def host_workspace(backend, slot) -> Path:
     """Where ``slot``'s workspace lives on the host (the local driver's layout)."""
     root = Path(backend.get_status()["drivers"]["local"]["state_root"]) / slot.sandbox_id
-    layer = root / "fs" / f"slot_{slot.index}" / "upper"  # a layered root's writable layer
+    layer = root / "fs" / f"slot_{slot.index}" / "current" / "upper"  # the layer in use
     if layer.is_dir():
         return layer / slot.workspace_dir.lstrip("/")
     return root / "ws" / Path(slot.workspace_dir).name
