@@ -520,11 +520,31 @@ def write_file(ws, args, limit=50000):
     return "%s %d bytes to %s" % (verb, len(data), shown), {"path": shown, "bytes": len(data)}
 
 
+def utf8_entries(entries):
+    """Entries whose names are valid UTF-8 (what every string the API returns must be).
+
+    A name that is not (a file named with bytes such as ``\\xff``) is shown with a
+    backslash escape for each such byte (``report\\xff.txt``) and the exact bytes are
+    given base64-encoded in ``raw_path``.
+    """
+    out = []
+    for e in entries:
+        try:
+            e["path"].encode("utf-8")
+        except UnicodeEncodeError:
+            raw = e["path"].encode("utf-8", "surrogateescape")
+            e = dict(e, path=raw.decode("utf-8", "backslashreplace"),
+                     raw_path=base64.b64encode(raw).decode("ascii"))
+        out.append(e)
+    return out
+
+
 def list_files(ws, args, limit=50000):
     path = args.get("path") or "."
     recursive = bool(args.get("recursive", False))
     max_entries = _opt_int(args, "max_entries", 1000, 1)
     entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
+    entries = utf8_entries(entries)
     lines = [e["path"] + ("/" if e["type"] == "dir" else "") for e in entries]
     if truncated:
         lines.append("... (more than %d entries)" % max_entries)
@@ -551,6 +571,7 @@ def list_artifacts(ws, args, limit=50000):
     recursive = bool(args.get("recursive", False))
     max_entries = _opt_int(args, "max_entries", 10000, 1)
     entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
+    entries = utf8_entries(entries)
     names = [e["path"] for e in entries if not recursive or e["type"] != "dir"]
     return "\n".join(names), {"path": shown, "entries": names, "details": entries,
                               "truncated": truncated}
