@@ -21,6 +21,9 @@ import stat
 from .rootfs import open_subdir_same_mount
 
 MAX_READ_BYTES = 64 * 1024 * 1024
+READ_CHUNK = 1024 * 1024
+#: The most ``read_artifact`` returns in one call (ask again with ``max_bytes`` for less).
+MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
 # An archive is built in the agent's memory and sent in one frame: cap it even when
 # the caller gives no max_bytes (a sparse 100 GB file must not exhaust the agent).
 MAX_ARCHIVE_BYTES = 128 * 1024 * 1024
@@ -490,13 +493,43 @@ def read_file(ws, args, output_limit=50000):
         return base64.b64encode(data).decode(), {"path": shown, "size": st.st_size, "offset": offset,
                                                  "bytes": len(data), "encoding": "base64",
                                                  "truncated": more}
-    data, st, shown = ws.read_bytes(path)
-    text = data.decode("utf-8", "replace")
-    lines = text.splitlines(True)
-    end = len(lines) if limit is None else offset + limit
-    chosen = "".join(lines[offset:end])
-    return chosen, {"path": shown, "size": st.st_size, "total_lines": len(lines),
-                    "first_line": offset, "lines": len(lines[offset:end]), "encoding": "text"}
+    fh, st, shown = ws.open_read(path)
+    with fh:
+        chosen, total = _read_lines(fh, offset, limit, 4 * output_limit + 4)
+    lines = chosen.count(b"\n") + (1 if chosen and not chosen.endswith(b"\n") else 0)
+    return chosen.decode("utf-8", "replace"), {
+        "path": shown, "size": st.st_size, "total_lines": total, "first_line": offset,
+        "lines": lines, "encoding": "text"}
+
+
+def _read_lines(fh, offset, limit, budget):
+    """Lines ``offset`` .. ``offset + limit`` of a file (all from ``offset`` when ``limit`` is
+    None), at most ``budget`` bytes of them, and the file's line count (of its first
+    :data:`MAX_READ_BYTES`). Memory is bounded by ``budget`` plus one chunk whatever the
+    file holds; time is linear in the file (lines are counted in C, ``bytes.count``)."""
+    end = None if limit is None else offset + limit
+    chosen = bytearray()
+    line = 0  # index of the line the next chunk starts in
+    read = 0
+    last = b""
+    while read < MAX_READ_BYTES:
+        chunk = fh.read(min(READ_CHUNK, MAX_READ_BYTES - read))
+        if not chunk:
+            break
+        read += len(chunk)
+        last = chunk
+        breaks = chunk.count(b"\n")
+        wanted = line + breaks >= offset and (end is None or line < end)
+        if wanted and len(chosen) < budget:
+            for i, part in enumerate(chunk.split(b"\n")):
+                if offset <= line + i and (end is None or line + i < end):
+                    chosen += part + (b"\n" if i < breaks else b"")
+                    if len(chosen) >= budget:
+                        del chosen[budget:]
+                        break
+        line += breaks
+    total = line + (1 if last and not last.endswith(b"\n") else 0)
+    return bytes(chosen), total
 
 
 def write_file(ws, args, limit=50000):
@@ -554,8 +587,11 @@ def list_files(ws, args, limit=50000):
 def read_artifact(ws, args, limit=50000):
     path = _require_path(args)
     enc = _encoding(args)
+    # Bounded like every per-call buffer: max_bytes, by default the output cap (in bytes),
+    # never more than MAX_ARTIFACT_BYTES; "truncated" says when the file has more.
     max_bytes = _opt_int(args, "max_bytes", None, 1)
-    data, st, shown = ws.read_bytes(path, 0, max_bytes)
+    cap = min(max_bytes or limit, MAX_ARTIFACT_BYTES)
+    data, st, shown = ws.read_bytes(path, 0, cap)
     content = base64.b64encode(data).decode() if enc == "base64" else data.decode("utf-8", "replace")
     info = {"path": shown, "content": content, "encoding": enc, "size": st.st_size,
             "truncated": len(data) < st.st_size}

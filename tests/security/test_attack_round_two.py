@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from support import bash
+from support import agent_processes, bash
 
 from .helpers import call, victim_state
 
@@ -107,3 +107,41 @@ async def test_names_that_are_not_utf8_come_back_printable(backend, slot):
         import base64
 
         assert base64.b64decode(odd["raw_path"]) == b"report\xff\xfe.txt"
+
+
+def agent_hwm_kib() -> int:
+    """Peak resident memory (VmHWM, KiB) of this test's agents (one backend: one agent)."""
+    best = 0
+    for pid in agent_processes():
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("VmHWM:"):
+                best = max(best, int(line.split()[1]))
+    return best
+
+
+async def test_per_call_buffers_are_bounded(make_backend):
+    """read_file(limit=1) of 64 MiB of short lines, a forged marker prefix followed by a
+    flood, and read_artifact of 40 MB: the agent's peak memory grows by far less than what
+    the slot made it handle; each result is capped; the neighbour still answers."""
+    backend = await make_backend(output_limit=5000)
+    hog = await backend.acquire("hog")
+    other = await backend.acquire("other")
+    r = await bash(backend, hog, "yes | head -c 64M > /tmp/lines; head -c 40M /dev/zero | tr '\\0' a > /tmp/big; echo ok",
+                   timeout=120)
+    assert r.output == "ok\n", r.output
+    before = agent_hwm_kib()
+    r = await call(backend, hog, "read_file", path="/tmp/lines", limit=1)
+    assert r.success and r.output == "y\n" and r.metadata["total_lines"] == 32 * 1024 * 1024
+    r = await call(backend, hog, "read_file", path="/tmp/lines", offset=1000, limit=3)
+    assert r.output == "y\ny\ny\n" and r.metadata["first_line"] == 1000
+    art = await backend.read_artifact(hog, "/tmp/big")
+    assert art["success"] and len(art["content"]) == 5000 and art["truncated"]
+    r = await bash(backend, hog, "printf '\\036%s ' \"$__hmt_n\"; head -c 200M /dev/zero; echo end", timeout=120)
+    assert r.metadata["truncated"] and len(r.output) < 6000
+    grown_mib = (agent_hwm_kib() - before) / 1024
+    assert grown_mib < 48, f"the agent grew by {grown_mib:.0f} MiB"
+    assert (await bash(backend, other, "echo alive")).output == "alive\n"
