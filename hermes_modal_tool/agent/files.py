@@ -495,20 +495,35 @@ def read_file(ws, args, output_limit=50000):
                                                  "truncated": more}
     fh, st, shown = ws.open_read(path)
     with fh:
-        chosen, total = _read_lines(fh, offset, limit, 4 * output_limit + 4)
-    lines = chosen.count(b"\n") + (1 if chosen and not chosen.endswith(b"\n") else 0)
-    return chosen.decode("utf-8", "replace"), {
-        "path": shown, "size": st.st_size, "total_lines": total, "first_line": offset,
-        "lines": lines, "encoding": "text"}
+        head, tail, dropped, lines, total = _read_lines(fh, offset, limit, 2 * output_limit)
+    text = head.decode("utf-8", "replace")
+    truncated = False
+    if dropped:  # the middle was never held: head and tail around the marker, as _cap does
+        keep = output_limit // 2
+        tail_text = tail.decode("utf-8", "replace")
+        omitted = len(text) - keep + dropped + len(tail_text) - keep
+        from .shell import marker
+        text = text[:keep] + marker(omitted) + tail_text[len(tail_text) - keep:]
+        truncated = True
+    else:
+        text += tail.decode("utf-8", "replace")
+    return text, {"path": shown, "size": st.st_size, "total_lines": total, "first_line": offset,
+                  "lines": lines, "encoding": "text", "truncated": truncated}
 
 
-def _read_lines(fh, offset, limit, budget):
+def _read_lines(fh, offset, limit, keep):
     """Lines ``offset`` .. ``offset + limit`` of a file (all from ``offset`` when ``limit`` is
-    None), at most ``budget`` bytes of them, and the file's line count (of its first
-    :data:`MAX_READ_BYTES`). Memory is bounded by ``budget`` plus one chunk whatever the
-    file holds; time is linear in the file (lines are counted in C, ``bytes.count``)."""
+    None) as ``(head, tail, dropped, lines, total)``: the first ``keep`` bytes of them, the
+    last ``keep`` bytes after those, how many bytes between were dropped, how many lines
+    were chosen, and the file's line count (of its first :data:`MAX_READ_BYTES`).
+
+    Memory is bounded by ``3 * keep`` plus one chunk whatever the file holds; time is
+    linear in the file (lines are counted in C with ``bytes.count``).
+    """
     end = None if limit is None else offset + limit
-    chosen = bytearray()
+    head = bytearray()
+    tail = bytearray()
+    dropped = chosen_lines = 0
     line = 0  # index of the line the next chunk starts in
     read = 0
     last = b""
@@ -519,17 +534,32 @@ def _read_lines(fh, offset, limit, budget):
         read += len(chunk)
         last = chunk
         breaks = chunk.count(b"\n")
-        wanted = line + breaks >= offset and (end is None or line < end)
-        if wanted and len(chosen) < budget:
-            for i, part in enumerate(chunk.split(b"\n")):
+        if line + breaks >= offset and (end is None or line < end):
+            parts = chunk.split(b"\n")
+            for i, part in enumerate(parts):
                 if offset <= line + i and (end is None or line + i < end):
-                    chosen += part + (b"\n" if i < breaks else b"")
-                    if len(chosen) >= budget:
-                        del chosen[budget:]
-                        break
+                    piece = part + (b"\n" if i < breaks else b"")
+                    if i < breaks:
+                        chosen_lines += 1
+                    room = keep - len(head)
+                    if room > 0:
+                        head += piece[:room]
+                        piece = piece[room:]
+                    tail += piece
+                    if len(tail) > 2 * keep:
+                        cut = len(tail) - keep
+                        dropped += cut
+                        del tail[:cut]
         line += breaks
-    total = line + (1 if last and not last.endswith(b"\n") else 0)
-    return bytes(chosen), total
+    if last and not last.endswith(b"\n"):
+        if offset <= line and (end is None or line < end):
+            chosen_lines += 1  # the last line has no newline
+        line += 1
+    if len(tail) > keep:
+        cut = len(tail) - keep
+        dropped += cut
+        del tail[:cut]
+    return bytes(head), bytes(tail), dropped, chosen_lines, line
 
 
 def write_file(ws, args, limit=50000):

@@ -168,7 +168,8 @@ class SlotRuntime:
         self.background_sids = []
         shell.resume_dir = None
         if self.root is None:
-            self.workspace.wipe()
+            # Off the loop: a slot can make its workspace large (linear, iterative).
+            await self.agent.loop.run_in_executor(self.agent.file_workers, self.workspace.wipe)
             return
         # Drop the writable layer: a rename, whatever the slot wrote; deleted later, off the
         # event loop. The fresh root is mounted now so the next tenant does not wait for it.
