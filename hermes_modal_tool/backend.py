@@ -407,7 +407,13 @@ class ToolBackend:
     async def read_artifact(self, slot: Slot, path: str, *, encoding: str = "text",
                             max_bytes: int | None = None, include_sha256: bool = False,
                             timeout_s: float | None = None) -> dict[str, Any]:
-        """Read a file from the slot's workspace.
+        """Read a file of the slot (a path relative to its workspace, or absolute in its view).
+
+        Args:
+            max_bytes: read at most this many bytes; default the profile's ``output_limit``
+                (as bytes), and never more than 8 MiB per call (the agent holds and sends
+                what it reads: every per-call buffer is bounded). ``truncated`` says when
+                the file has more.
 
         Returns:
             ``{"success", "content", "error", "size", "truncated"}`` plus ``sha256``

@@ -25,12 +25,14 @@ ENV_DIRS = "HERMES_MODAL_TOOL_SECRETS_DIR"
 
 
 def secret_dirs(env: Mapping[str, str] | None = None) -> list[Path]:
-    """The directories searched for ``{name}.env``, in order."""
+    """The directories searched for ``{name}.env``, in order, as absolute paths (a relative
+    ``HERMES_MODAL_TOOL_SECRETS_DIR`` is resolved against the current directory once, here,
+    so the same directory is read and hidden from slots)."""
     env = os.environ if env is None else env
     if env.get(ENV_DIRS):
-        return [Path(p).expanduser() for p in env[ENV_DIRS].split(os.pathsep) if p]
+        return [Path(p).expanduser().resolve() for p in env[ENV_DIRS].split(os.pathsep) if p]
     base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return [Path(base) / "hermes-modal-tool" / "secrets"]
+    return [(Path(base) / "hermes-modal-tool" / "secrets").resolve()]
 
 
 def resolve_secrets(names: list[str], profile: str, env: Mapping[str, str] | None = None) -> dict[str, str]:

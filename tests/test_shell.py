@@ -295,8 +295,10 @@ async def test_write_file_content_is_not_interpreted(backend, slot):
     tricky = "$(touch pwned) `id` '\"\\ %s %n\n" * 3 + "x" * 300_000
     r = await call(backend, slot, "write_file", path="t.txt", content=tricky)
     assert r.success and r.metadata["bytes"] == len(tricky.encode())
-    art = await backend.read_artifact(slot, "t.txt")
+    art = await backend.read_artifact(slot, "t.txt", max_bytes=1_000_000)
     assert art["content"] == tricky
+    capped = await backend.read_artifact(slot, "t.txt")  # by default: the output cap, in bytes
+    assert capped["truncated"] and capped["content"] == tricky[:50_000]
     assert (await call(backend, slot, "list_files")).output.splitlines() == ["t.txt"]
 
 

@@ -21,6 +21,9 @@ import stat
 from .rootfs import open_subdir_same_mount
 
 MAX_READ_BYTES = 64 * 1024 * 1024
+READ_CHUNK = 1024 * 1024
+#: The most ``read_artifact`` returns in one call (ask again with ``max_bytes`` for less).
+MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
 # An archive is built in the agent's memory and sent in one frame: cap it even when
 # the caller gives no max_bytes (a sparse 100 GB file must not exhaust the agent).
 MAX_ARCHIVE_BYTES = 128 * 1024 * 1024
@@ -494,13 +497,73 @@ def read_file(ws, args, output_limit=50000):
         return base64.b64encode(data).decode(), {"path": shown, "size": st.st_size, "offset": offset,
                                                  "bytes": len(data), "encoding": "base64",
                                                  "truncated": more}
-    data, st, shown = ws.read_bytes(path)
-    text = data.decode("utf-8", "replace")
-    lines = text.splitlines(True)
-    end = len(lines) if limit is None else offset + limit
-    chosen = "".join(lines[offset:end])
-    return chosen, {"path": shown, "size": st.st_size, "total_lines": len(lines),
-                    "first_line": offset, "lines": len(lines[offset:end]), "encoding": "text"}
+    fh, st, shown = ws.open_read(path)
+    with fh:
+        head, tail, dropped, lines, total = _read_lines(fh, offset, limit, 2 * output_limit)
+    text = head.decode("utf-8", "replace")
+    truncated = False
+    if dropped:  # the middle was never held: head and tail around the marker, as _cap does
+        keep = output_limit // 2
+        tail_text = tail.decode("utf-8", "replace")
+        omitted = len(text) - keep + dropped + len(tail_text) - keep
+        from .shell import marker
+        text = text[:keep] + marker(omitted) + tail_text[len(tail_text) - keep:]
+        truncated = True
+    else:
+        text += tail.decode("utf-8", "replace")
+    return text, {"path": shown, "size": st.st_size, "total_lines": total, "first_line": offset,
+                  "lines": lines, "encoding": "text", "truncated": truncated}
+
+
+def _read_lines(fh, offset, limit, keep):
+    """Lines ``offset`` .. ``offset + limit`` of a file (all from ``offset`` when ``limit`` is
+    None) as ``(head, tail, dropped, lines, total)``: the first ``keep`` bytes of them, the
+    last ``keep`` bytes after those, how many bytes between were dropped, how many lines
+    were chosen, and the file's line count (of its first :data:`MAX_READ_BYTES`).
+
+    Memory is bounded by ``3 * keep`` plus one chunk whatever the file holds; time is
+    linear in the file (lines are counted in C with ``bytes.count``).
+    """
+    end = None if limit is None else offset + limit
+    head = bytearray()
+    tail = bytearray()
+    dropped = chosen_lines = 0
+    line = 0  # index of the line the next chunk starts in
+    read = 0
+    last = b""
+    while read < MAX_READ_BYTES:
+        chunk = fh.read(min(READ_CHUNK, MAX_READ_BYTES - read))
+        if not chunk:
+            break
+        read += len(chunk)
+        last = chunk
+        breaks = chunk.count(b"\n")
+        if line + breaks >= offset and (end is None or line < end):
+            parts = chunk.split(b"\n")
+            for i, part in enumerate(parts):
+                if offset <= line + i and (end is None or line + i < end):
+                    piece = part + (b"\n" if i < breaks else b"")
+                    if i < breaks:
+                        chosen_lines += 1
+                    room = keep - len(head)
+                    if room > 0:
+                        head += piece[:room]
+                        piece = piece[room:]
+                    tail += piece
+                    if len(tail) > 2 * keep:
+                        cut = len(tail) - keep
+                        dropped += cut
+                        del tail[:cut]
+        line += breaks
+    if last and not last.endswith(b"\n"):
+        if offset <= line and (end is None or line < end):
+            chosen_lines += 1  # the last line has no newline
+        line += 1
+    if len(tail) > keep:
+        cut = len(tail) - keep
+        dropped += cut
+        del tail[:cut]
+    return bytes(head), bytes(tail), dropped, chosen_lines, line
 
 
 def write_file(ws, args, limit=50000):
@@ -524,11 +587,31 @@ def write_file(ws, args, limit=50000):
     return "%s %d bytes to %s" % (verb, len(data), shown), {"path": shown, "bytes": len(data)}
 
 
+def utf8_entries(entries):
+    """Entries whose names are valid UTF-8 (what every string the API returns must be).
+
+    A name that is not (a file named with bytes such as ``\\xff``) is shown with a
+    backslash escape for each such byte (``report\\xff.txt``) and the exact bytes are
+    given base64-encoded in ``raw_path``.
+    """
+    out = []
+    for e in entries:
+        try:
+            e["path"].encode("utf-8")
+        except UnicodeEncodeError:
+            raw = e["path"].encode("utf-8", "surrogateescape")
+            e = dict(e, path=raw.decode("utf-8", "backslashreplace"),
+                     raw_path=base64.b64encode(raw).decode("ascii"))
+        out.append(e)
+    return out
+
+
 def list_files(ws, args, limit=50000):
     path = args.get("path") or "."
     recursive = bool(args.get("recursive", False))
     max_entries = _opt_int(args, "max_entries", 1000, 1)
     entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
+    entries = utf8_entries(entries)
     lines = [e["path"] + ("/" if e["type"] == "dir" else "") for e in entries]
     if truncated:
         lines.append("... (more than %d entries)" % max_entries)
@@ -538,8 +621,11 @@ def list_files(ws, args, limit=50000):
 def read_artifact(ws, args, limit=50000):
     path = _require_path(args)
     enc = _encoding(args)
+    # Bounded like every per-call buffer: max_bytes, by default the output cap (in bytes),
+    # never more than MAX_ARTIFACT_BYTES; "truncated" says when the file has more.
     max_bytes = _opt_int(args, "max_bytes", None, 1)
-    data, st, shown = ws.read_bytes(path, 0, max_bytes)
+    cap = min(max_bytes or limit, MAX_ARTIFACT_BYTES)
+    data, st, shown = ws.read_bytes(path, 0, cap)
     content = base64.b64encode(data).decode() if enc == "base64" else data.decode("utf-8", "replace")
     info = {"path": shown, "content": content, "encoding": enc, "size": st.st_size,
             "truncated": len(data) < st.st_size}
@@ -555,6 +641,7 @@ def list_artifacts(ws, args, limit=50000):
     recursive = bool(args.get("recursive", False))
     max_entries = _opt_int(args, "max_entries", 10000, 1)
     entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
+    entries = utf8_entries(entries)
     names = [e["path"] for e in entries if not recursive or e["type"] != "dir"]
     return "\n".join(names), {"path": shown, "entries": names, "details": entries,
                               "truncated": truncated}

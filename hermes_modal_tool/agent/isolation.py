@@ -334,11 +334,34 @@ def _kill(pid, sig):
         pass
 
 
+#: ``keyctl(2)`` by machine (not wrapped by Python); None where unknown.
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "i386": 288, "i686": 288, "armv7l": 311,
+               "ppc64le": 271, "s390x": 280, "riscv64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def _keyctl():
+    """A callable ``keyctl(op, arg)`` via libc's ``syscall``, loaded before any fork."""
+    import platform
+
+    number = _SYS_KEYCTL.get(platform.machine())
+    if number is None:
+        return None
+    from .rootfs import libc
+
+    syscall = libc().syscall
+    return lambda op, arg: syscall(number, op, arg)
+
+
 def make_preexec(procs_files, rlimits, uid, gid):
-    """Return a ``preexec_fn``: join cgroups, set rlimits, drop to ``uid``/``gid``.
+    """Return a ``preexec_fn``: join cgroups, set rlimits, drop to ``uid``/``gid``, and join
+    a new, empty session keyring (bwrap does not make one, unlike runc: without it a slot
+    would share the keys of the session that started the backend, an ssh login's or a
+    systemd service's, and those of other slots).
 
     Runs in the child between fork and exec, so it only makes syscalls.
     """
+    keyctl = _keyctl()
 
     def preexec():
         pid = str(os.getpid())
@@ -351,6 +374,8 @@ def make_preexec(procs_files, rlimits, uid, gid):
             os.setgroups([])
             os.setgid(gid)
             os.setuid(uid)
+        if keyctl is not None:
+            keyctl(KEYCTL_JOIN_SESSION_KEYRING, None)  # anonymous, owned by the slot's uid
 
     return preexec
 

@@ -34,6 +34,8 @@ SPAWN_THREADS = 4
 #: call starts; half the call's timeout when that is shorter. Either is well inside the
 #: host's deadline (the timeout plus a grace period), so no deadline passes meanwhile.
 NOTICE_S = 5.0
+#: Worker threads for file tools and workspace wipes (off the event loop).
+FILE_THREADS = 4
 STOPPED_BEFORE = "the sandbox was stopped (the backend is shutting down) before the command started"
 
 
@@ -53,6 +55,7 @@ class Agent(DiskWatch):
         self._spawner = None
         self._spawn_limiter = None
         self._reaper = None
+        self._file_workers = None
         self._watcher = None
         self.slot_disk_mb = None
         self.filesystem = "workspace-only"
@@ -303,6 +306,7 @@ class Agent(DiskWatch):
                 returncode=None))
             return
         slot.dirty = True  # a reset must drop the writable layer (file tools write it too)
+        args = None
         try:
             tool = msg.get("tool")
             args = msg.get("args")
@@ -315,23 +319,40 @@ class Agent(DiskWatch):
             elif tool == "bash":
                 self.start_bash(slot, msg, args, timeout, done)
             else:
-                done(self.run_tool(slot, tool, args))
-        except files.FileToolError as exc:
-            done(protocol.call_result(error=str(exc), returncode=1))
-        except OSError as exc:
-            # Name the path the caller gave (shortened), not a raw Python error.
-            given = args.get("path") if isinstance(args, dict) else None
-            name = given if isinstance(given, str) else (exc.filename if isinstance(exc.filename, str) else "")
-            if len(name) > 60:
-                name = name[:40] + "..." + name[-16:]
-            done(protocol.call_result(
-                error="%s: %s" % (repr(name), exc.strerror or exc) if name else str(exc.strerror or exc),
-                returncode=1))
-        except Exception as exc:
-            done(protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1))
+                self.start_file_tool(slot, tool, args, done)
+        except Exception as exc:  # noqa: BLE001 - reported as the call's result
+            done(_tool_failure(exc, args))
+
+    def start_file_tool(self, slot, tool, args, done):
+        """Run a file tool in one of :data:`FILE_THREADS` worker threads, never on the event
+        loop that serves every slot (what a slot can make large, a read of 64 MiB, an
+        archive of 100,000 files, runs there, bounded by its caps); ``done`` runs on the
+        loop. A slot runs one call at a time, so its calls stay in order."""
+        def finished(fut):
+            if fut.cancelled():
+                done(protocol.call_result(error=STOPPED_BEFORE))
+            else:
+                done(fut.result())
+
+        self.loop.run_in_executor(self.file_workers, self._file_tool_result, slot, tool,
+                                  args).add_done_callback(finished)
+
+    def _file_tool_result(self, slot, tool, args):
+        try:
+            return self.run_tool(slot, tool, args)
+        except Exception as exc:  # noqa: BLE001 - reported as the call's result
+            return _tool_failure(exc, args)
+
+    @property
+    def file_workers(self):
+        """The worker threads for file tools and workspace wipes."""
+        if self._file_workers is None:
+            self._file_workers = concurrent.futures.ThreadPoolExecutor(
+                FILE_THREADS, thread_name_prefix="hermes-modal-tool-files")
+        return self._file_workers
 
     def run_tool(self, slot, tool, args):
-        """Run a file tool (synchronous: local file system calls only).
+        """Run a file tool (blocking: call from :attr:`file_workers`, never the loop).
 
         ``tool`` and ``args`` were checked by :func:`protocol.check_args`.
         """
@@ -343,6 +364,7 @@ class Agent(DiskWatch):
         truncated = False
         if tool == "list_files" or (tool == "read_file" and data.get("encoding") == "text"):
             output, truncated = _cap(output, self.limit)
+            truncated = truncated or bool(data.pop("truncated", False))
         elif tool == "read_file":
             truncated = data.get("truncated", False)
         return protocol.call_result(output=output, returncode=0, truncated=truncated, data=data)
@@ -603,7 +625,7 @@ class Agent(DiskWatch):
                     slot.root.teardown()
                 except OSError as exc:
                     sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
-        for pool in (self._reaper, self._watcher):
+        for pool in (self._reaper, self._watcher, self._file_workers):
             if pool is not None:
                 pool.shutdown(wait=False)
         if self.config and self.config.get("remove_state", True):
@@ -615,6 +637,22 @@ class Agent(DiskWatch):
             self.send({"id": mid, "ok": True, "result": {}})
         if not self.done.done():
             self.done.set_result(None)
+
+
+def _tool_failure(exc, args):
+    """A failed ``call`` result for an exception of a tool: a clear message, not a raw one."""
+    if isinstance(exc, files.FileToolError):
+        return protocol.call_result(error=str(exc), returncode=1)
+    if isinstance(exc, OSError):
+        # Name the path the caller gave (shortened), not a raw Python error.
+        given = args.get("path") if isinstance(args, dict) else None
+        name = given if isinstance(given, str) else (exc.filename if isinstance(exc.filename, str) else "")
+        if len(name) > 60:
+            name = name[:40] + "..." + name[-16:]
+        return protocol.call_result(
+            error="%s: %s" % (repr(name), exc.strerror or exc) if name else str(exc.strerror or exc),
+            returncode=1)
+    return protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
 
 
 class _Pending:

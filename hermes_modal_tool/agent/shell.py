@@ -50,6 +50,8 @@ INIT_LINES = "set +o history 2>/dev/null; shopt -s expand_aliases\n"
 RUNNER = ("{ . @CMD@; } <@IN@\n"
           "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"\n")
 TERM_GRACE_S = 0.5
+#: Bytes after a marker's prefix within which its end must come (an exit code: "-1".."255").
+MARKER_TAIL = 8
 SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replaced
 READY_TIMEOUT_S = 60.0  # a shell not ready by then is killed and its call fails
 
@@ -79,25 +81,34 @@ class OutputCollector:
         self._keep = len(self._prefix) + 16
 
     def feed(self, data):
+        """Take output; linear in it, and never holding more than a marker's length of it
+        unstored (output that prints the marker's prefix without its end is output)."""
         if self.done.done():
             return
         pend = self._pending
         pend += data
-        idx = pend.find(self._prefix)
-        if idx >= 0:
-            end = pend.find(MARK, idx + len(self._prefix))
+        plen = len(self._prefix)
+        while True:
+            idx = pend.find(self._prefix)
+            if idx < 0:
+                break
+            end = pend.find(MARK, idx + plen, idx + plen + MARKER_TAIL)
             if end >= 0:
                 try:
-                    self.returncode = int(pend[idx + len(self._prefix):end])
+                    self.returncode = int(pend[idx + plen:end])
                 except ValueError:
                     self.returncode = -1
                 self._store(bytes(pend[:idx]))
                 del pend[:]
                 self.done.set_result(True)
                 return
-            self._store(bytes(pend[:idx]))
-            del pend[:idx]
-            return
+            if len(pend) - (idx + plen) < MARKER_TAIL:
+                self._store(bytes(pend[:idx]))  # maybe the marker: wait for its end
+                del pend[:idx]
+                return
+            # Not a marker (a real one ends within a few digits): it is output.
+            self._store(bytes(pend[:idx + 1]))
+            del pend[:idx + 1]
         if len(pend) > self._keep:
             cut = len(pend) - self._keep
             self._store(bytes(pend[:cut]))

@@ -68,17 +68,20 @@ class SlotRuntime:
     def prepare_dirs(self):
         if self.ready:
             return
-        os.makedirs(self.ctl_host, mode=0o755, exist_ok=True)
+        # The control directory: the agent's (root's), never writable by the slot, so the
+        # agent never creates a file where the slot could plant a link; readable and
+        # enterable by the slot's group only (other local users see nothing).
+        os.makedirs(self.ctl_host, mode=0o700, exist_ok=True)
+        if self.gid is not None:
+            os.chown(self.ctl_host, 0, self.gid)
+            os.chmod(self.ctl_host, 0o750)
+        else:
+            os.chmod(self.ctl_host, 0o755)  # slots run as the agent's own user
         if self.root is not None:
             self.root.ensure()  # bounded: a few mounts and the plan's entries (a fork, once)
             self.agent.layer_work(self.root, None)  # the next tenant's layer, in the background
             self.ready = True
             return
-        if self.uid is not None and self.agent.isolation != "bwrap":
-            # No mount namespace hides other slots' control files: only this slot's uid
-            # may enter its control directory.
-            os.chown(self.ctl_host, self.uid, self.gid)
-            os.chmod(self.ctl_host, 0o500)
         os.makedirs(self.ws_host, exist_ok=True)
         self.workspace.wipe()
         self.ready = True
@@ -98,7 +101,13 @@ class SlotRuntime:
         """
         fd = self.ctl_fds.get(name)
         if fd is None:
-            fd = os.open(os.path.join(self.ctl_host, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # O_NOFOLLOW: even in the agent's own directory, never through a link.
+            fd = os.open(os.path.join(self.ctl_host, name),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         0o640 if self.gid is not None else 0o644)
+            if self.gid is not None:
+                os.fchown(fd, 0, self.gid)  # the slot reads it through its group
+                os.fchmod(fd, 0o640)
             if name in ("cmd", "stdin"):
                 self.ctl_fds[name] = fd
         try:
@@ -160,7 +169,8 @@ class SlotRuntime:
         self.background_sids = []
         shell.resume_dir = None
         if self.root is None:
-            self.workspace.wipe()
+            # Off the loop: a slot can make its workspace large (linear, iterative).
+            await self.agent.loop.run_in_executor(self.agent.file_workers, self.workspace.wipe)
             return
         # Swap to the standby layer (pointers only, whatever the slot wrote); the dropped one
         # is unmounted, renamed and deleted in the background, where the next standby is

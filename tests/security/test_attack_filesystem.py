@@ -304,7 +304,9 @@ async def test_secrets_dir_and_engine_state_are_hidden(make_backend, secret_file
     cmds = [f"cat {sdir}/key.env; ls -A {sdir}", f"ls -A {state_root}; ls -A /tmp /dev/shm /run",
             "cat /tmp/hermes-modal-tool-*/*/ws/*/* /dev/shm/hermes-modal-tool-*/*/*/*",
             "cat /proc/1/environ /proc/*/environ | tr '\\0' '\\n'",
-            f"grep -rs '{value[:3]}[{value[3]}]{value[4:]}' /opt /srv /var/lib /etc /tmp /dev/shm /run "
+            # Decisive and fast on any machine: where the value is (exactly), and the
+            # small trees a slot owns (not a scan of the whole of /opt or /etc).
+            f"grep -rs '{value[:3]}[{value[3]}]{value[4:]}' {sdir} {sdir.parent} /tmp /dev/shm /run "
             "/home /root /data"]
     for cmd in cmds:
         r = await bash(backend, slot, cmd + " 2>&1", timeout=30)
@@ -317,6 +319,20 @@ async def test_secrets_dir_and_engine_state_are_hidden(make_backend, secret_file
     await bash(backend, slot, f"echo pwned > {sdir}/key.env; mkdir -p {state_root}/x")
     assert (sdir / "key.env").read_text() == f"KEY={value}\n"
     assert not exists(f"{state_root}/x")
+
+
+async def test_relative_secrets_dir_is_hidden_too(make_backend, secret_file, monkeypatch):
+    """A relative HERMES_MODAL_TOOL_SECRETS_DIR is made absolute once, so the directory the
+    engine reads is the one it hides from slots of profiles without secrets."""
+    sdir, value = secret_file
+    monkeypatch.chdir(sdir.parent)
+    monkeypatch.setenv("HERMES_MODAL_TOOL_SECRETS_DIR", sdir.name)
+    backend = await make_backend()  # this profile uses no secret
+    slot = await backend.acquire("t")
+    r = await bash(backend, slot, f"cat {sdir}/key.env; ls -A {sdir}; grep -rs KEY= {sdir.parent}")
+    assert value not in r.output and "key.env" not in r.output.replace(f"{sdir}/key.env:", "")
+    r = await call(backend, slot, "read_file", path=f"{sdir}/key.env")
+    assert not r.success and value not in r.output
 
 
 async def test_fifo_and_special_files_do_not_hang_the_agent(backend, two_slots):

@@ -1,0 +1,147 @@
+"""Round two of the attack suite: control files, keyrings and names (checked on the victim's
+side: what a slot can read or change of another slot, of the agent or of the host)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import secrets
+import stat
+from pathlib import Path
+
+import pytest
+from support import agent_processes, bash
+
+from .helpers import call, victim_state
+
+SYS_ADD_KEY = {"x86_64": 248, "aarch64": 217}.get(platform.machine())
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+KEY_SPEC_SESSION_KEYRING = -3
+# In a slot: add a key to its session keyring (argv[1] = its payload), or, without an
+# argument, print the payload of every key its session keyring holds (keyctl read @s).
+KEYS_PY = r"""
+import ctypes, struct, sys
+libc = ctypes.CDLL(None); libc.syscall.restype = ctypes.c_long
+if len(sys.argv) > 1:
+    p = sys.argv[1].encode()
+    print("added", libc.syscall(ADD_KEY, b"user", b"hmt-slot-key", p, len(p), -3) > 0)
+buf = ctypes.create_string_buffer(65536)
+n = libc.syscall(KEYCTL, 11, -3, buf, 65536)
+ids = struct.unpack("%di" % (n // 4), buf.raw[:n]) if n > 0 else ()
+for k in ids:
+    m = libc.syscall(KEYCTL, 11, k, buf, 65536)
+    print("payload", buf.raw[:m] if m > 0 else m)
+"""
+
+
+def host_add_session_key(description: str, payload: bytes) -> int:
+    """Add a ``user`` key to this (the backend's) process's session keyring."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    serial = libc.syscall(SYS_ADD_KEY, b"user", description.encode(), payload, len(payload),
+                          KEY_SPEC_SESSION_KEYRING)
+    if serial < 0:
+        pytest.skip(f"cannot add a key here: {os.strerror(ctypes.get_errno())}")
+    return serial
+
+
+def ctl_dirs(backend, slot) -> list[Path]:
+    root = Path(backend.get_status()["drivers"]["local"]["state_root"])
+    shm = [p for p in Path("/dev/shm").glob("hermes-modal-tool-*") if (p / slot.sandbox_id).is_dir()]
+    return [p / slot.sandbox_id / f"slot_{slot.index}" for p in shm] or [
+        root / slot.sandbox_id / "ctl" / f"slot_{slot.index}"]
+
+
+@pytest.mark.skipif(SYS_KEYCTL is None, reason="keyctl numbers unknown on this machine")
+async def test_slots_get_their_own_session_keyring(make_backend):
+    """bwrap makes no session keyring: without one of its own, a slot reads (and can
+    revoke) the keys of the session that started the backend, and other slots' keys."""
+    host_payload = "host-secret-" + secrets.token_hex(4)
+    host_add_session_key("hmt-host-key", host_payload.encode())
+    backend = await make_backend()  # its agent inherits this process's session keyring
+    a = await backend.acquire("victim")
+    b = await backend.acquire("attacker")
+    script = KEYS_PY.replace("ADD_KEY", str(SYS_ADD_KEY)).replace("KEYCTL", str(SYS_KEYCTL))
+    await call(backend, a, "write_file", path="/tmp/keys.py", content=script)
+    await call(backend, b, "write_file", path="/tmp/keys.py", content=script)
+    slot_payload = "slot-secret-" + secrets.token_hex(4)
+    r = await bash(backend, a, f"python3 /tmp/keys.py {slot_payload}")
+    assert r.output.splitlines()[0] == "added True", r.output
+    assert slot_payload in r.output and host_payload not in r.output  # its own key only
+    r = await bash(backend, b, "python3 /tmp/keys.py")
+    assert slot_payload not in r.output and host_payload not in r.output, r.output
+
+
+async def test_control_files_are_not_the_slots_to_change_or_others_to_read(backend, two_slots):
+    """The agent's control directory of a slot is root's (the slot cannot write it, so it
+    cannot plant a link the agent would follow); its files are readable by that slot's
+    group only, never by other local users."""
+    a, b = two_slots
+    r = await bash(backend, b, "echo marker-b")
+    assert r.output == "marker-b\n"
+    for d in ctl_dirs(backend, b):
+        st = d.stat()
+        assert st.st_uid == os.geteuid() and not st.st_mode & 0o022 and not st.st_mode & 0o007, oct(st.st_mode)
+        for f in d.iterdir():
+            fst = f.lstat()
+            assert stat.S_ISREG(fst.st_mode) and not fst.st_mode & 0o007, (f, oct(fst.st_mode))
+    # From inside: the control directory is read-only and its files cannot be replaced.
+    r = await bash(backend, b, "ls -ld /run/hmt; touch /run/hmt/x 2>&1; "
+                               "ln -sf /etc/passwd /run/hmt/cmd 2>&1; chmod 777 /run/hmt 2>&1; echo done")
+    assert r.output.rstrip().endswith("done") and "marker" not in r.output
+    assert (await bash(backend, b, "echo still-works")).output == "still-works\n"
+    assert await victim_state(backend, a) == ["victim-secret", "d", "secret.txt", "x"]
+
+
+async def test_names_that_are_not_utf8_come_back_printable(backend, slot):
+    r = await bash(backend, slot, "touch \"$(printf 'report\\377\\376.txt')\" plain.txt; ls | wc -l")
+    assert r.output.strip() == "2"
+    for tool in ("list_files", "list_artifacts"):
+        r = await call(backend, slot, tool)
+        assert r.success, r.error
+        r.output.encode("utf-8")  # valid UTF-8: printable, JSON-safe
+        assert "report\\xff\\xfe.txt" in r.output and "plain.txt" in r.output
+        details = r.metadata["entries"] if tool == "list_files" else r.metadata["details"]
+        [odd] = [e for e in details if "raw_path" in e]
+        import base64
+
+        assert base64.b64decode(odd["raw_path"]) == b"report\xff\xfe.txt"
+
+
+def agent_hwm_kib() -> int:
+    """Peak resident memory (VmHWM, KiB) of this test's agents (one backend: one agent)."""
+    best = 0
+    for pid in agent_processes():
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("VmHWM:"):
+                best = max(best, int(line.split()[1]))
+    return best
+
+
+async def test_per_call_buffers_are_bounded(make_backend):
+    """read_file(limit=1) of 64 MiB of short lines, a forged marker prefix followed by a
+    flood, and read_artifact of 40 MB: the agent's peak memory grows by far less than what
+    the slot made it handle; each result is capped; the neighbour still answers."""
+    backend = await make_backend(output_limit=5000)
+    hog = await backend.acquire("hog")
+    other = await backend.acquire("other")
+    r = await bash(backend, hog, "yes | head -c 64M > /tmp/lines; head -c 40M /dev/zero | tr '\\0' a > /tmp/big; echo ok",
+                   timeout=120)
+    assert r.output == "ok\n", r.output
+    before = agent_hwm_kib()
+    r = await call(backend, hog, "read_file", path="/tmp/lines", limit=1)
+    assert r.success and r.output == "y\n" and r.metadata["total_lines"] == 32 * 1024 * 1024
+    r = await call(backend, hog, "read_file", path="/tmp/lines", offset=1000, limit=3)
+    assert r.output == "y\ny\ny\n" and r.metadata["first_line"] == 1000
+    art = await backend.read_artifact(hog, "/tmp/big")
+    assert art["success"] and len(art["content"]) == 5000 and art["truncated"]
+    r = await bash(backend, hog, "printf '\\036%s ' \"$__hmt_n\"; head -c 200M /dev/zero; echo end", timeout=120)
+    assert r.metadata["truncated"] and len(r.output) < 6000
+    grown_mib = (agent_hwm_kib() - before) / 1024
+    assert grown_mib < 48, f"the agent grew by {grown_mib:.0f} MiB"
+    assert (await bash(backend, other, "echo alive")).output == "alive\n"
