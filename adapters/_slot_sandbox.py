@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from hermes_modal_tool.backend import ToolBackend
-from hermes_modal_tool.capture import DEFAULT_MAX_BYTES, run_captured
+from hermes_modal_tool.capture import DEFAULT_MAX_BYTES, WHOLE_FILE_BYTES, run_captured
 from hermes_modal_tool.errors import PoolTimeoutError, SandboxError, UsageError
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import ExecutionResult, Slot
@@ -224,7 +224,8 @@ def slot_sandbox_class() -> type[Any]:
                 script = _DOWNLOAD_SCRIPT.format(xfer=shlex.quote(xfer), calls="\n".join(
                     f"get {i} {shlex.quote(paths[i])}" for i in todo))
                 calls: list[tuple[str, dict[str, Any]]] = [("bash", {"command": script})]
-                calls += [("read_artifact", {"path": f"{rel}/{i}", "encoding": "base64"}) for i in todo]
+                calls += [("read_artifact", {"path": f"{rel}/{i}", "encoding": "base64",
+                                             "max_bytes": WHOLE_FILE_BYTES}) for i in todo]
                 calls.append(("bash", {"command": f"rm -rf -- {shlex.quote(xfer)}"}))
                 results = await self.sessions.execute_many(key, calls, timeout_s=self.timeout_s)
                 status = _statuses(results[0])

@@ -67,7 +67,7 @@ from agents.sandbox.types import ExecResult, User
 from agents.sandbox.util.tar_utils import UnsafeTarMemberError, validate_tar_bytes
 
 from hermes_modal_tool.backend import ToolBackend
-from hermes_modal_tool.capture import run_captured
+from hermes_modal_tool.capture import WHOLE_FILE_BYTES, run_captured
 from hermes_modal_tool.errors import HermesModalToolError, UsageError
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import SlotState
@@ -170,7 +170,8 @@ class SlotSandboxSession(BaseSandboxSession):
         _no_user(user)
         target = await self._validate_path_access(path)
         r = await self._sessions.execute(self.state.slot_key, "read_artifact",
-                                         {"path": str(target), "encoding": "base64"},
+                                         {"path": str(target), "encoding": "base64",
+                                          "max_bytes": WHOLE_FILE_BYTES},
                                          profile=self.state.profile)
         if not r.success:
             error = r.error or "read failed"

@@ -385,6 +385,13 @@ def script_lines(rep: dict[str, Any]) -> list[str]:
         out.append(f"- engine.py, {mm['slots']} idle slots in {mm['sandboxes']} sandboxes: "
                    f"{mm['pss_mib_per_slot']:.2f} MiB PSS and {mm['memavailable_mib_per_slot']:.2f}"
                    f" MiB of MemAvailable per slot; {mm['live_slots']}/{mm['slots']} live")
+    sdk, ours_sdk = dig(rep, "agents_sdk.result.sdk_modal_client"), dig(rep, "agents_sdk.result.ours_slot_client")
+    if sdk and ours_sdk:
+        out.append(f"- agents_sdk.py, the OpenAI Agents SDK's sandbox session `exec`, per command: "
+                   f"its own Modal client {sdk['rpcs_per_command']:g} RPCs, "
+                   f"{fmt_ms(sdk['latency_ms']['median'])} median; ours (SlotSandboxClient, Modal "
+                   f"driver) {ours_sdk['rpcs_per_command']:g} RPCs, "
+                   f"{fmt_ms(ours_sdk['latency_ms']['median'])} median")
     if dig(m, "ours.latency.median") is not None and dig(m, "original.latency.median") is not None:
         o, g = m["ours"], m["original"]
         out.append(f"- modal_rpc.py, warm `echo hi` median / p99: ours (Modal driver) "

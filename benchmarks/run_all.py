@@ -81,7 +81,7 @@ perf = time.perf_counter
 PROFILE = f"ra{os.getpid()}"
 DEFAULT_OUT = HERE / "results"
 COMMAND = "echo hi"
-OWN = ("latency", "slots", "sps", "peer_memory")
+OWN = ("latency", "slots", "sps", "peer_memory", "agents_sdk")
 QS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0)
 
 
@@ -139,10 +139,12 @@ def compact(x: Any, digits: int = 5) -> Any:
 
 
 # -- the existing scripts -------------------------------------------------------------------
-def run_script(name: str, args: Sequence[str], tmp: Path, timeout: float) -> dict[str, Any]:
-    """Run ``benchmarks/NAME.py ARGS --json``; its JSON, exit status and wall time."""
+def run_script(name: str, args: Sequence[str], tmp: Path, timeout: float,
+               python: str = sys.executable) -> dict[str, Any]:
+    """Run ``benchmarks/NAME.py ARGS --json`` with ``python``; its JSON, exit status and
+    wall time."""
     out, logf = tmp / f"{name}.json", tmp / f"{name}.log"
-    argv = [sys.executable, str(HERE / f"{name}.py"), *args, "--json", str(out)]
+    argv = [python, str(HERE / f"{name}.py"), *args, "--json", str(out)]
     t0 = perf()
     with open(logf, "w") as fh:
         try:
@@ -161,6 +163,22 @@ def run_script(name: str, args: Sequence[str], tmp: Path, timeout: float) -> dic
     if rc != 0:
         log(f"{name}.py exited with {rc}; output ends:\n{logf.read_text()[-1500:]}")
     return res
+
+
+#: agents_sdk.py's size per run mode (commands in its exec loop).
+AGENTS_SDK_ARGS = {"full": ("--commands", "200"), "quick": ("--commands", "50"),
+                   "smoke": ("--commands", "5")}
+AGENTS_VENV_PYTHON = HERE.parent / ".venv-agents" / "bin" / "python"
+
+
+def run_agents_sdk(mode: str, tmp: Path) -> dict[str, Any]:
+    """The OpenAI Agents SDK's Modal sandbox client against ours, both over the local Modal
+    control plane (agents_sdk.py). The SDK needs openai>=3, which cannot share .venv with
+    hermes-agent: it runs with .venv-agents' Python (``bash scripts/setup.sh agents``)."""
+    if not AGENTS_VENV_PYTHON.exists():
+        log("agents_sdk: no .venv-agents (bash scripts/setup.sh agents); skipped")
+        return {"skipped": "no .venv-agents: run `bash scripts/setup.sh agents`"}
+    return run_script("agents_sdk", AGENTS_SDK_ARGS[mode], tmp, 900, str(AGENTS_VENV_PYTHON))
 
 
 # -- measured here: latency ------------------------------------------------------------------
@@ -492,6 +510,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             if name not in args.skip:
                 with section(name, rep, between):
                     rep[name] = run_script(name, getattr(sizes, name), Path(tmp), timeout)
+        if "agents_sdk" not in args.skip:
+            with section("agents_sdk", rep, between):
+                rep["agents_sdk"] = run_agents_sdk(mode, Path(tmp))
         if "latency" not in args.skip:
             with section("latency", rep, between), modal_server() as server:
                 rep["latency"] = asyncio.run(latency(sizes, server))

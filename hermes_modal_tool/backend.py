@@ -410,10 +410,10 @@ class ToolBackend:
         """Read a file of the slot (a path relative to its workspace, or absolute in its view).
 
         Args:
-            max_bytes: read at most this many bytes; default the profile's ``output_limit``
-                (as bytes), and never more than 8 MiB per call (the agent holds and sends
-                what it reads: every per-call buffer is bounded). ``truncated`` says when
-                the file has more.
+            max_bytes: read at most this many bytes (at most 64 MiB); default the
+                profile's ``output_limit`` as bytes (the agent holds and sends what it
+                reads: every per-call buffer is bounded by the call's cap). ``truncated``
+                says when the file has more.
 
         Returns:
             ``{"success", "content", "error", "size", "truncated"}`` plus ``sha256``

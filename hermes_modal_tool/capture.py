@@ -19,10 +19,13 @@ from dataclasses import dataclass
 
 from .sessions import SlotSessions
 
-__all__ = ["CapturedRun", "run_captured"]
+__all__ = ["CapturedRun", "WHOLE_FILE_BYTES", "run_captured"]
 
 #: Largest output :func:`run_captured` returns by default (bytes per stream).
 DEFAULT_MAX_BYTES = 64 * 2**20
+#: ``max_bytes`` for a ``read_artifact`` that transfers a whole file (the agent reads at
+#: most this much per call; without ``max_bytes`` it returns at most the output cap).
+WHOLE_FILE_BYTES = 64 * 2**20
 
 # {out} and {err} are /tmp paths (the workspace when /tmp is not writable). A
 # timeout ends the sourced command before the tail runs: no marker, files kept.

@@ -71,7 +71,7 @@ TOOL_ARGS = {
                    "append": ("bool", False)},
     "list_files": {"path": ("str", False), "recursive": ("bool", False), "max_entries": ("int", False)},
     "read_artifact": {"path": ("str", True), "encoding": ("encoding", False), "max_bytes": ("int", False),
-                      "include_sha256": ("bool", False)},
+                      "offset": ("int", False), "include_sha256": ("bool", False)},
     "list_artifacts": {"path": ("str", False), "recursive": ("bool", False), "max_entries": ("int", False)},
     "archive_artifacts": {"path": ("str", False), "archive_format": ("str", False),
                           "max_bytes": ("int", False), "max_entries": ("int", False)},

@@ -22,7 +22,7 @@ import sys
 import time
 
 from .. import protocol
-from . import admission, files, isolation, rootfs
+from . import admission, files, filetools, isolation, rootfs, rootplan
 from .diskwatch import DISK_WATCH_S, DiskWatch
 from .slot import SlotRuntime
 
@@ -243,7 +243,7 @@ class Agent(DiskWatch):
         if not (base == self.host_root or base.startswith(self.host_root + "/")
                 or self.host_root.startswith(base + "/")):
             hidden.append(self.host_root)  # workspace-only layout's dirs (not the slots' base)
-        self.upper_plan = rootfs.UpperPlan(
+        self.upper_plan = rootplan.UpperPlan(
             hidden,
             cfg.get("masked") or [], bool(cfg.get("hide_host_top", False)))
         return "overlay", ""
@@ -360,7 +360,7 @@ class Agent(DiskWatch):
         if slot.root is not None:
             files.preload()  # imports read the agent's own files: not as the slot
         with slot.fs_creds():
-            output, data = files.TOOLS[tool](slot.workspace, args, self.limit)
+            output, data = filetools.TOOLS[tool](slot.workspace, args, self.limit)
         truncated = False
         if tool == "list_files" or (tool == "read_file" and data.get("encoding") == "text"):
             output, truncated = _cap(output, self.limit)

@@ -1,0 +1,163 @@
+"""What every fresh writable layer of a slot's root holds (see :mod:`.rootfs`).
+
+Stdlib-only, Python 3.8. Computed once per sandbox (:class:`UpperPlan`), applied to each
+new layer: directories a slot sees empty (``/root``, ``/tmp`` ...), whiteouts hiding what
+a slot must not see (the agent's state, secrets, root-only host files, non-standard
+top-level directories of the host), apt's setting for a one-uid namespace, and the
+PEP 668 marker removed so ``pip`` installs into the system site-packages as in a
+container image.
+"""
+
+import errno
+import os
+import stat
+
+OPAQUE = "trusted.overlay.opaque"
+#: Directories a slot sees empty (its own, writable): a container's fresh ones.
+EMPTY_DIRS = {"/root": 0o700, "/home": 0o755, "/tmp": 0o1777, "/run": 0o755, "/mnt": 0o755,
+              "/media": 0o755, "/lost+found": 0o700, "/var/tmp": 0o1777}
+EMPTY_TOP = {p[1:] for p in EMPTY_DIRS if p.count("/") == 1}
+#: Top-level names of a Linux root filesystem; anything else at the top of the host's root
+#: (project checkouts, data) is hidden from slots.
+STANDARD_TOP = frozenset(("bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "opt",
+                          "proc", "sbin", "srv", "sys", "usr", "var")) | set(EMPTY_TOP)
+APT_CONF = ("etc/apt/apt.conf.d/00hermes-modal-tool",
+            b'// The slot is one uid: apt cannot drop privileges to _apt.\n'
+            b'APT::Sandbox::User "root";\n')
+
+
+def hidden_paths(hide, masked, nonstandard_top=True):
+    """The paths each upper whites out: agent state and secrets under a visible top-level
+    directory, root-only host files (``masked``) and, when the root is the host's
+    (``nonstandard_top``), top-level entries that are not part of a Linux root."""
+    out = set()
+    for name in os.listdir("/") if nonstandard_top else ():
+        if name not in STANDARD_TOP:
+            out.add("/" + name)
+    for path in list(hide) + list(masked):
+        path = os.path.normpath(path)
+        top = path.strip("/").split("/")[0]
+        if path != "/" and top not in EMPTY_TOP and os.path.lexists(path):
+            out.add(path)
+    # A path below a hidden one needs no whiteout of its own.
+    return sorted(p for p in out if not any(p.startswith(q + "/") for q in out if q != p))
+
+
+def pep668_markers():
+    """The ``EXTERNALLY-MANAGED`` files of the root's Pythons (a slot's pip may install)."""
+    found = []
+    for base in ("/usr/lib", "/usr/local/lib"):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("python3"):
+                path = "%s/%s/EXTERNALLY-MANAGED" % (base, name)
+                if os.path.lexists(path):
+                    found.append(path)
+    return found
+
+
+def separate_mounts(visible):
+    """Top-level directories of ``/`` that are mount points of their own (in a container:
+    ``/usr``, ``/etc`` ... bound in one by one). An overlay's lower layer never shows what
+    is mounted below it, so each gets an overlay of its own. ``visible(name)`` filters."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        name = point[1:]
+        if point.count("/") == 1 and name and visible(name) and os.path.isdir(point) \
+                and not os.path.islink(point) and point not in found:
+            found.append(point)
+    return sorted(found)
+
+
+class UpperPlan:
+    """What every fresh writable layer of a sandbox holds (computed once, applied per tenant).
+
+    ``mounts`` are the layer roots: ``/`` and each separately mounted top-level directory
+    (see :func:`separate_mounts`); every entry goes into the layer it falls in.
+    """
+
+    def __init__(self, hide, masked, nonstandard_top=True):
+        self.whiteouts = hidden_paths(hide, masked, nonstandard_top) + pep668_markers()
+        self.empty = sorted((p, m) for p, m in EMPTY_DIRS.items() if os.path.isdir(p))
+        hidden = set(self.whiteouts)
+        skip = set(EMPTY_TOP) | {"proc", "sys", "dev"}
+        self.mounts = ["/"] + separate_mounts(
+            lambda name: name not in skip and "/" + name not in hidden)
+
+    def layer_of(self, path):
+        """``(mount, path relative to it)`` for an absolute path of the slot's view."""
+        best = "/"
+        for mount in self.mounts:
+            if mount != "/" and (path == mount or path.startswith(mount + "/")):
+                best = mount
+        return best, path[len(best):] if best != "/" else path
+
+    def apply(self, uppers, uid, gid, dirs=()):
+        """Fill the new, empty writable layers ``uppers`` (mount -> upper directory) as the
+        agent (real root); ``dirs`` (absolute, in the slot's view) are created when the
+        root does not have them."""
+        for mount, upper in uppers.items():
+            os.chown(upper, uid, gid)
+            os.chmod(upper, 0o755 if mount == "/" else stat.S_IMODE(os.stat(mount).st_mode))
+        for name, mode in self.empty:
+            path = self._make(uppers, name, uid, gid)
+            os.mkdir(path)
+            os.chown(path, uid, gid)
+            os.chmod(path, mode)
+            os.setxattr(path, OPAQUE, b"y")
+        for name in self.whiteouts:
+            os.mknod(self._make(uppers, name, uid, gid), stat.S_IFCHR | 0o000, os.makedev(0, 0))
+        conf, text = APT_CONF
+        if os.path.isdir("/etc/apt/apt.conf.d"):
+            path = self._make(uppers, "/" + conf, uid, gid)
+            with open(path, "wb") as fh:
+                fh.write(text)
+            os.chown(path, uid, gid)
+        for d in dirs:
+            if d and d != "/":
+                mount, rel = self.layer_of(d)
+                self._parents(uppers[mount], mount, rel, uid, gid, create_mode=0o755)
+
+    def _make(self, uppers, path, uid, gid):
+        """Where ``path`` goes in its layer (its parents made); the entry itself is not."""
+        mount, rel = self.layer_of(path)
+        parent = self._parents(uppers[mount], mount, os.path.dirname(rel), uid, gid)
+        return os.path.join(parent, os.path.basename(rel))
+
+    @staticmethod
+    def _parents(upper, mount, path, uid, gid, create_mode=None):
+        """Make ``path`` (relative to the layer's ``mount``) in ``upper`` with the lower's
+        modes; directories missing below get ``create_mode`` (owned by the slot's root)."""
+        cur = upper
+        for part in [p for p in path.split("/") if p]:
+            nxt = os.path.join(cur, part)
+            if not os.path.isdir(nxt):
+                lower = os.path.join(mount, os.path.relpath(nxt, upper))
+                if any(lower == p or lower.startswith(p + "/") for p in EMPTY_DIRS):
+                    lower = "/nonexistent-in-the-slot"  # below an emptied directory
+                try:
+                    st = os.lstat(lower)
+                    mode, owner, group = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+                    if not stat.S_ISDIR(st.st_mode):
+                        raise OSError(errno.ENOTDIR, "not a directory in the root", lower)
+                except FileNotFoundError:
+                    if create_mode is None:
+                        raise
+                    mode, owner, group = create_mode, 0, 0
+                os.mkdir(nxt)
+                os.chown(nxt, uid if owner == 0 else owner, gid if group == 0 else group)
+                os.chmod(nxt, mode)
+            cur = nxt
+        return cur
