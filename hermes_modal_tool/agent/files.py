@@ -412,42 +412,77 @@ def remove_tree(path):
 
 
 def _rm_in(top_fd):
-    """Empty the directory open at ``top_fd`` (and close it), with an explicit stack."""
-    stack = [(top_fd, None)]  # (open dir fd, its name in the parent)
-    emptied = set()  # (dev, ino) of directories already handled: never loop on one
-    while stack:
-        fd = stack[-1][0]
-        try:
-            os.fchmod(fd, 0o700)
-        except OSError:
-            pass
-        child = None
-        for name in os.listdir(fd):
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISDIR(st.st_mode):
+    """Empty the directory open at ``top_fd`` (and close it), however deep or wide.
+
+    No recursion and a constant number of open files: it holds the directory it is in,
+    and goes back up through ``..``, checked to be the directory it came from (so a
+    directory moved meanwhile is never a way out). Each directory is listed once (its
+    remaining names are kept while below it), so the time is linear in what it removes.
+    Mount points are never entered; what cannot be removed is left.
+    """
+    fd = top_fd
+    try:
+        os.fchmod(fd, 0o700)  # its entries can be removed even if it was made read-only
+    except OSError:
+        pass
+    stack = []  # per level below the top: (its name, the parent's remaining names, parent id)
+    pending = _names(fd)
+    given_up = set()  # (dev, ino) of directories that could not be entered or removed
+    try:
+        while True:
+            child = name = None
+            while pending:
+                name = pending.pop()
                 try:
-                    os.unlink(name, dir_fd=fd)
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    try:
+                        os.unlink(name, dir_fd=fd)
+                    except OSError:
+                        pass
+                    continue
+                if (st.st_dev, st.st_ino) in given_up:
+                    continue
+                try:
+                    child = open_subdir_same_mount(fd, name)
+                except OSError:
+                    given_up.add((st.st_dev, st.st_ino))
+                    continue
+                break
+            if child is not None:
+                here = os.fstat(fd)
+                stack.append((name, pending, (here.st_dev, here.st_ino)))
+                os.close(fd)
+                fd = child
+                try:
+                    os.fchmod(fd, 0o700)
                 except OSError:
                     pass
-            elif (st.st_dev, st.st_ino) not in emptied:
-                try:
-                    # Never into a mount point: a slot's root is mounted inside agent state.
-                    child = (open_subdir_same_mount(fd, name), name)
-                except OSError:
-                    emptied.add((st.st_dev, st.st_ino))
-                    continue
-                emptied.add((st.st_dev, st.st_ino))
-                break
-        if child is not None:
-            stack.append(child)
-            continue
-        _, name = stack.pop()
-        os.close(fd)
-        if stack:
+                pending = _names(fd)
+                continue
+            if not stack:
+                return
+            name, pending, parent_id = stack.pop()
+            mine = os.fstat(fd)
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            pst = os.fstat(fd)
+            if (pst.st_dev, pst.st_ino) != parent_id:
+                raise OSError(errno.ESTALE, "a directory was moved during removal")
             try:
-                os.rmdir(name, dir_fd=stack[-1][0])
+                os.rmdir(name, dir_fd=fd)
             except OSError:
-                pass
+                given_up.add((mine.st_dev, mine.st_ino))
+    finally:
+        os.close(fd)
+
+
+def _names(fd):
+    try:
+        return os.listdir(fd)
+    except OSError:
+        return []

@@ -145,3 +145,48 @@ async def test_per_call_buffers_are_bounded(make_backend):
     grown_mib = (agent_hwm_kib() - before) / 1024
     assert grown_mib < 48, f"the agent grew by {grown_mib:.0f} MiB"
     assert (await bash(backend, other, "echo alive")).output == "alive\n"
+
+
+def deep_tree(root: Path, depth: int) -> None:
+    """A chain of ``depth`` directories below ``root`` (made through directory fds: no path
+    is ever longer than one name)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as fh:
+            fh.write("bottom")
+    finally:
+        os.close(fd)
+
+
+async def test_deep_and_wide_trees_are_removed_by_the_host_and_the_agent(tmp_path):
+    """A slot can leave a tree 100,000 levels deep or 25,000 directories wide. Removing it
+    (the agent's wipes, and the host's own cleanup after a crash) needs no recursion and no
+    open file per level: it works under a limit of 64 open files."""
+    import asyncio
+    import resource
+
+    from hermes_modal_tool.agent.files import remove_tree
+    from hermes_modal_tool.drivers.local import LocalDriver
+
+    deep, wide = tmp_path / "deep", tmp_path / "wide"
+    deep.mkdir()
+    wide.mkdir()
+    await asyncio.to_thread(deep_tree, deep, 100_000)
+    for i in range(25_000):
+        (wide / str(i) / "x").mkdir(parents=True)
+    driver = LocalDriver()
+    await asyncio.to_thread(deep_tree, driver.state_root, 20_000)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        await asyncio.to_thread(remove_tree, str(deep))
+        await asyncio.to_thread(remove_tree, str(wide))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await driver.aclose()  # the host's cleanup of a sandbox's state (shutil.rmtree failed)
+    assert not deep.exists() and not wide.exists() and not driver.state_root.exists()
