@@ -163,12 +163,17 @@ def utf8_entries(entries):
     return out
 
 
-def list_files(ws, args, limit=50000):
-    path = args.get("path") or "."
+def _listing(ws, args, default_max):
+    """The listing both list tools share: ``(entries, truncated, shown, recursive, max_entries)``
+    with names made valid UTF-8 by ``utf8_entries``."""
     recursive = bool(args.get("recursive", False))
-    max_entries = _opt_int(args, "max_entries", 1000, 1)
-    entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
-    entries = utf8_entries(entries)
+    max_entries = _opt_int(args, "max_entries", default_max, 1)
+    entries, truncated, shown = ws.list_dir(args.get("path") or ".", recursive, max_entries)
+    return utf8_entries(entries), truncated, shown, recursive, max_entries
+
+
+def list_files(ws, args, limit=50000):
+    entries, truncated, shown, _, max_entries = _listing(ws, args, 1000)
     lines = [e["path"] + ("/" if e["type"] == "dir" else "") for e in entries]
     if truncated:
         lines.append("... (more than %d entries)" % max_entries)
@@ -196,11 +201,7 @@ def read_artifact(ws, args, limit=50000):
 
 
 def list_artifacts(ws, args, limit=50000):
-    path = args.get("path") or "."
-    recursive = bool(args.get("recursive", False))
-    max_entries = _opt_int(args, "max_entries", 10000, 1)
-    entries, truncated, shown = ws.list_dir(path, recursive, max_entries)
-    entries = utf8_entries(entries)
+    entries, truncated, shown, recursive, _ = _listing(ws, args, 10000)
     names = [e["path"] for e in entries if not recursive or e["type"] != "dir"]
     return "\n".join(names), {"path": shown, "entries": names, "details": entries,
                               "truncated": truncated}

@@ -145,9 +145,10 @@ async def test_stdio_two_sessions_two_slots() -> None:
         assert text(await a.call_tool("list_files", {})).split() == ["mine.txt"]
 
 
-async def test_stdio_disconnect_mid_command_leaves_nothing_running() -> None:
-    tag = "913.25"
-    async with stdio_session() as session:
+async def disconnect_mid_command(session_cm: Any, tag: str) -> None:
+    """Start `sleep TAG` through the session, drop the session while it runs, and check that
+    the command's process is gone afterwards."""
+    async with session_cm as session:
         call = asyncio.ensure_future(session.call_tool("bash", {"command": f"sleep {tag}"}))
         deadline = time.monotonic() + 20
         while not sleepers(tag):
@@ -155,6 +156,10 @@ async def test_stdio_disconnect_mid_command_leaves_nothing_running() -> None:
             await asyncio.sleep(0.1)
         call.cancel()
     await wait_gone(tag)
+
+
+async def test_stdio_disconnect_mid_command_leaves_nothing_running() -> None:
+    await disconnect_mid_command(stdio_session(), "913.25")
 
 
 def test_stdio_malformed_input_gets_protocol_errors() -> None:
@@ -206,15 +211,7 @@ async def test_http_two_concurrent_sessions_two_slots(http_server: str) -> None:
 
 
 async def test_http_disconnect_mid_command_leaves_nothing_running(http_server: str) -> None:
-    tag = "917.75"
-    async with http_session(http_server) as session:
-        call = asyncio.ensure_future(session.call_tool("bash", {"command": f"sleep {tag}"}))
-        deadline = time.monotonic() + 20
-        while not sleepers(tag):
-            assert time.monotonic() < deadline and not call.done(), "the command never started"
-            await asyncio.sleep(0.1)
-        call.cancel()
-    await wait_gone(tag)
+    await disconnect_mid_command(http_session(http_server), "917.75")
 
 
 async def test_http_idle_session_slot_is_released(http_server: str) -> None:
