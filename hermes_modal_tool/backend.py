@@ -457,14 +457,16 @@ class ToolBackend:
         ``total_slots``, ``available_slots``, ``acquired_slots``,
         ``slots_per_sandbox`` (of the default profile, else the first),
         ``default_profile``, ``profiles``, ``active_pools``,
-        ``waiting_acquires``, ``calls_per_second``, ``failures``, and per pool the
+        ``waiting_acquires``, ``calls_per_second``, ``failures``, ``quarantined_slots``
+        (slots out of service because their reset failed: ``slot_id``, ``error``,
+        ``attempts``, ``gave_up``; see ``resets.py``), and per pool the
         isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
         Secret values never appear here.
         """
         pools = {name: pool.status() for name, pool in self._pools.items()}
         total = {k: sum(p[k] for p in pools.values()) for k in
                  ("sandboxes", "healthy_sandboxes", "total_slots", "available_slots",
-                  "acquired_slots", "waiting_acquires", "calls", "failures", "timeouts")}
+                  "acquired_slots", "waiting_acquires", "calls", "failures", "timeouts", "quarantined")}
         main = self.profiles.get(self.default_profile) or next(iter(self.profiles.values()))
         return {
             **total,
@@ -476,6 +478,7 @@ class ToolBackend:
             "active_pools": list(self._pools),
             "drivers": {name: d.describe() for name, d in self._drivers.items()},
             "closed": self._closed,
+            "quarantined_slots": [q for p in pools.values() for q in p["quarantined_slots"]],
             "pools": pools,
         }
 

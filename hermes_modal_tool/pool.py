@@ -24,11 +24,10 @@ from .errors import (
     BackendClosedError,
     HermesModalToolError,
     PoolTimeoutError,
-    SandboxDiedError,
-    SandboxError,
     UsageError,
 )
 from .protocol import ProtocolError
+from .resets import SlotResets
 from .sandbox import HOST_GRACE_S, Sandbox
 from .slots import ExecutionResult, Slot, SlotState
 
@@ -54,7 +53,7 @@ class _Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class SandboxPool:
+class SandboxPool(SlotResets):
     """Sandboxes of one profile, each with ``slots_per_sandbox`` slots.
 
     Args:
@@ -78,7 +77,7 @@ class SandboxPool:
         self._started = False
         self._closed = False
         self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "sandboxes_started": 0,
-                      "sandboxes_died": 0, "sandboxes_stopped": 0, "acquires": 0}
+                      "sandboxes_died": 0, "sandboxes_stopped": 0, "acquires": 0, "quarantined": 0}
         self.last_error: str | None = None
         self.info: dict[str, Any] = {}
         self._rate_window: deque[float] = deque()
@@ -245,7 +244,8 @@ class SandboxPool:
             now = time.monotonic()
             for sid, sb in list(self._sandboxes.items()):
                 recs = self._records.get(sid, [])
-                if not all(r.holder is None and r.ready for r in recs):
+                if not all(r.holder is None and (r.ready or "gave_up" in r.extra.get("quarantine", ()))
+                           for r in recs):
                     continue
                 if now - sb.started_at > self.config.max_lifetime:
                     self._retire(sb)  # replaced below if that leaves fewer than the minimum
@@ -371,22 +371,6 @@ class SandboxPool:
         slot.state = SlotState.AVAILABLE
         slot.trajectory_id = None
 
-    async def _reset(self, rec: _Record) -> None:
-        sb = rec.sandbox
-        try:
-            reply = await sb.request({"op": "reset", "slot": rec.index}, 60.0)
-            if not reply.get("ok"):
-                raise SandboxError(str(reply.get("error")))
-        except SandboxDiedError:
-            return
-        except SandboxError as exc:
-            log.warning("reset of %s failed (%s); retiring sandbox %s", rec.slot_id, exc, sb.sandbox_id)
-            self.last_error = f"reset of {rec.slot_id} failed: {exc}"
-            self._retire(sb)
-            return
-        rec.ready = True
-        self._offer(rec)
-
     # -- calls ---------------------------------------------------------------------
     def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
                flush: bool = True):
@@ -459,6 +443,8 @@ class SandboxPool:
     def status(self) -> dict[str, Any]:
         total = sum(len(r) for r in self._records.values())
         held = sum(1 for recs in self._records.values() for r in recs if r.holder is not None)
+        quarantined = [dict(r.extra["quarantine"]) for recs in self._records.values()
+                       for r in recs if "quarantine" in r.extra and r.holder is None]
         return {
             "driver": self.config.driver,
             "sandboxes": self._live(),
@@ -470,8 +456,9 @@ class SandboxPool:
             "total_slots": total,
             "available_slots": len(self._free),
             "acquired_slots": held,
-            "resetting_slots": total - held - len(self._free),
+            "resetting_slots": total - held - len(self._free) - len(quarantined),
             "waiting_acquires": sum(1 for w in self._waiters if not w.done()),
+            "quarantined_slots": quarantined,
             "calls_per_second": round(self.calls_per_second(), 2),
             "isolation": self.info.get("isolation", self.config.isolation),
             "filesystem": self.info.get("filesystem"),

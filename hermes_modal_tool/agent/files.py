@@ -379,8 +379,16 @@ class Workspace:
         return data, len(entries), shown
 
     def wipe(self):
-        """Empty the workspace (the directory itself stays, owned by the slot)."""
+        """Empty the workspace (the directory itself stays, owned by the slot).
+
+        Raises OSError when something in it could not be removed (an immutable file, a
+        mount): such a workspace must not go to the next tenant (the host quarantines it).
+        """
         _rmtree_contents(self.host)
+        left = sorted(os.listdir(self.host)) if os.path.isdir(self.host) else []
+        if left:
+            raise OSError(errno.ENOTEMPTY, "could not empty the workspace: %d entries remain "
+                          "(first: %r)" % (len(left), left[0]))
         if not os.path.isdir(self.host):
             os.makedirs(self.host, exist_ok=True)
         os.chmod(self.host, 0o700 if self.uid is not None else 0o755)
