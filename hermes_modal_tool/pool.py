@@ -466,6 +466,7 @@ class SandboxPool(SlotResets):
             "slot_disk": self.info.get("slot_disk"),
             "limits": self.info.get("limits"),
             "limits_note": self.info.get("limits_note") or None,
+            "abstract_sockets": self.info.get("abstract_sockets"),
             "network": self.config.network,
             **self.stats,
             "last_error": self.last_error,

@@ -20,6 +20,7 @@ _MODULES = (
     ("hermes_modal_tool", None),
     ("hermes_modal_tool.protocol", "protocol.py"),
     ("hermes_modal_tool.agent", None),
+    ("hermes_modal_tool.agent.scopes", "agent/scopes.py"),
     ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
     ("hermes_modal_tool.agent.procs", "agent/procs.py"),
     ("hermes_modal_tool.agent.rootplan", "agent/rootplan.py"),

@@ -22,6 +22,8 @@ import resource
 import signal
 import time
 
+from . import scopes
+
 # Top-level directories never bound into a slot (replaced or omitted).
 HIDDEN_TOP = frozenset(("proc", "dev", "sys", "tmp", "run", "home", "root", "mnt", "media",
                         "lost+found", "boot"))
@@ -334,34 +336,15 @@ def _kill(pid, sig):
         pass
 
 
-#: ``keyctl(2)`` by machine (not wrapped by Python); None where unknown.
-_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "i386": 288, "i686": 288, "armv7l": 311,
-               "ppc64le": 271, "s390x": 280, "riscv64": 219}
-KEYCTL_JOIN_SESSION_KEYRING = 1
-
-
-def _keyctl():
-    """A callable ``keyctl(op, arg)`` via libc's ``syscall``, loaded before any fork."""
-    import platform
-
-    number = _SYS_KEYCTL.get(platform.machine())
-    if number is None:
-        return None
-    from .rootfs import libc
-
-    syscall = libc().syscall
-    return lambda op, arg: syscall(number, op, arg)
-
-
 def make_preexec(procs_files, rlimits, uid, gid):
-    """Return a ``preexec_fn``: join cgroups, set rlimits, drop to ``uid``/``gid``, and join
-    a new, empty session keyring (bwrap does not make one, unlike runc: without it a slot
-    would share the keys of the session that started the backend, an ssh login's or a
-    systemd service's, and those of other slots).
+    """Return a ``preexec_fn``: join cgroups, set rlimits, enter a new Landlock domain
+    scoped for abstract UNIX sockets, drop to ``uid``/``gid``, and join a new, empty
+    session keyring (see ``scopes.py`` for why the last two).
 
     Runs in the child between fork and exec, so it only makes syscalls.
     """
-    keyctl = _keyctl()
+    keyctl = scopes.keyctl()
+    enter_scope = scopes.enter_scope_fn(privileged=os.geteuid() == 0)
 
     def preexec():
         pid = str(os.getpid())
@@ -370,12 +353,14 @@ def make_preexec(procs_files, rlimits, uid, gid):
                 fh.write(pid)
         for res, value in rlimits:
             resource.setrlimit(res, (value, value))
+        if enter_scope is not None:
+            enter_scope()
         if uid is not None:
             os.setgroups([])
             os.setgid(gid)
             os.setuid(uid)
         if keyctl is not None:
-            keyctl(KEYCTL_JOIN_SESSION_KEYRING, None)  # anonymous, owned by the slot's uid
+            keyctl(scopes.KEYCTL_JOIN_SESSION_KEYRING, None)  # anonymous, owned by the slot's uid
 
     return preexec
 

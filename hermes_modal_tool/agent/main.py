@@ -207,6 +207,7 @@ class Agent(DiskWatch):
             "limits": limit_mode,
             "limits_note": reason,
             "slot_uids": self.uid_base is not None,
+            "abstract_sockets": isolation.scopes.abstract_socket_scope()[1],
             "slots": len(self.slots),
             "filesystem": self.filesystem,
             "filesystem_note": filesystem_note,

@@ -129,3 +129,45 @@ async def test_network_true_shares_the_hosts_network(backend, slot):
         assert r.output == "reached-host\n"
     finally:
         listener.close()
+
+
+# A client and a server for abstract UNIX sockets, run in a slot with python3.
+ABSTRACT_CONNECT = ("python3 -c 'import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n"
+                    "    s.connect(\"\\0\"+sys.argv[1]); s.sendall(b\"hello\"); print(\"connected\")\n"
+                    "except OSError as e:\n    print(\"refused\", e.errno)' {name}")
+ABSTRACT_SERVE = ("python3 -c 'import socket,sys\ns=socket.socket(socket.AF_UNIX)\n"
+                  "s.bind(\"\\0\"+sys.argv[1]); s.listen(); s.settimeout(8)\ntry:\n"
+                  "    c,_=s.accept(); print(\"accepted\", c.recv(10).decode())\n"
+                  "except OSError:\n    print(\"nobody\")' {name} > {log} 2>&1 &")
+
+
+async def test_abstract_unix_sockets_of_the_host_and_of_other_slots_are_out_of_reach(driver_backend):
+    """With ``network: true`` slots share the host's network namespace, and with it the
+    abstract UNIX socket namespace. Each slot's shell runs in its own Landlock domain
+    scoped for abstract sockets: it reaches its own, never the host's or a neighbour's."""
+    backend = await driver_backend(**SMALL, network=True)
+    attacker, neighbour = await backend.acquire("attacker"), await backend.acquire("neighbour")
+    pool = backend.get_status()["pools"][backend.default_profile]
+    assert pool["abstract_sockets"].startswith("scoped"), pool
+    host_name = "hmt-host-" + secrets.token_hex(6)
+    host = socket.socket(socket.AF_UNIX)
+    host.bind("\0" + host_name)
+    host.listen()
+    host.setblocking(False)
+    try:
+        r = await bash(backend, attacker, ABSTRACT_CONNECT.format(name=host_name))
+        assert r.output.startswith("refused"), r.output
+        with pytest.raises(BlockingIOError):  # the victim's side: nothing came in
+            host.accept()
+    finally:
+        host.close()
+    slot_name = "hmt-slot-" + secrets.token_hex(6)
+    assert (await bash(backend, neighbour, ABSTRACT_SERVE.format(name=slot_name, log="serve.log"))).success
+    r = await bash(backend, attacker, f"sleep 1; {ABSTRACT_CONNECT.format(name=slot_name)}")
+    assert r.output.startswith("refused"), r.output
+    assert (await bash(backend, neighbour, "wait; cat serve.log")).output == "nobody\n"
+    # Not over-restricted: a slot's own processes still talk over abstract sockets.
+    own = "hmt-own-" + secrets.token_hex(6)
+    assert (await bash(backend, attacker, ABSTRACT_SERVE.format(name=own, log="own.log"))).success
+    r = await bash(backend, attacker, f"sleep 1; {ABSTRACT_CONNECT.format(name=own)}; wait; cat own.log")
+    assert r.output == "connected\naccepted hello\n", r.output
