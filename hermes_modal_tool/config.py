@@ -99,6 +99,11 @@ class SandboxConfig(BaseModel):
     slot_memory: int | None = Field(None, gt=0, description="Memory limit per slot, MiB (default: memory).")
     pids_limit: int = Field(512, ge=8, le=1_000_000, description="Processes per slot.")
     output_limit: int = Field(50_000, ge=100, le=100_000_000, description="Output cap per call, characters.")
+    heartbeat_timeout: float = Field(
+        30.0, ge=3, le=86400,
+        description="Modal: a sandbox ends itself when its owner has been silent this long (s). "
+                    "The owner sends a heartbeat on the agent's stream every sixth of it, so an "
+                    "owner killed with -9 leaves nothing running, without 'modal gc'.")
     add_python: str = Field(
         "auto", pattern=r"^(auto|no|3\.\d{1,2})$",
         description="Modal: Python to add to the image for the agent: 'auto' (3.11 unless the "

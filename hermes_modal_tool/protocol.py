@@ -28,6 +28,7 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               started); the cancelled call still gets its own response.
 ``status``    ``{}``: per-slot state, for diagnostics.
 ``shutdown``  ``{}``: kill every slot, remove what the agent created, answer, exit.
+``ping``      ``{}`` with id 0: the owner is alive (Modal's heartbeat); no answer.
 
 Responses (agent -> host): ``{"id": int, "ok": bool, "error": str?, "result": {...}}``.
 For ``call`` the result has the keys of :data:`RESULT_KEYS`.
@@ -47,7 +48,7 @@ HEADER = struct.Struct(">I")
 #: Largest frame either side accepts (bytes). A bigger frame is a protocol error.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
-OPS = ("init", "call", "reset", "cancel", "status", "shutdown")
+OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "ping")
 
 #: Tools the agent knows, in the order error messages list them.
 TOOLS = (

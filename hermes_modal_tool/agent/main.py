@@ -24,6 +24,7 @@ import time
 from .. import protocol
 from . import admission, files, filetools, isolation, rootfs, rootplan
 from .diskwatch import DISK_WATCH_S, DiskWatch
+from .heartbeat import Heartbeat
 from .slot import SlotRuntime
 
 #: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
@@ -52,6 +53,7 @@ class Agent(DiskWatch):
         self.closing = False
         self.done = loop.create_future()
         self._admission = None
+        self.heartbeat = None
         self._spawner = None
         self._spawn_limiter = None
         self._reaper = None
@@ -100,6 +102,8 @@ class Agent(DiskWatch):
             self.reply(mid, self.handle_status, msg)
         elif op == "shutdown":
             self.own(self.shutdown(mid))
+        elif op == "ping":
+            pass  # the owner is alive (noted by _InProtocol for the heartbeat)
         else:
             self.send({"id": mid, "ok": False, "error": "unknown op %r; known: %s"
                        % (op, ", ".join(protocol.OPS))})
@@ -162,6 +166,8 @@ class Agent(DiskWatch):
             if self.bwrap is None:
                 self.isolation = "none"
         self.workdir = cfg.get("workdir") or None
+        if cfg.get("heartbeat"):
+            self.heartbeat = Heartbeat(self.loop, cfg["heartbeat"]["file"], cfg["heartbeat"]["every"])
         self.slot_disk_mb = cfg.get("slot_disk") or None
         self.filesystem, filesystem_note = self._choose_filesystem(cfg)
         limits = dict(cfg.get("limits", {}))
@@ -692,6 +698,8 @@ class _InProtocol(asyncio.Protocol):
             sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
             self.agent.own(self.agent.shutdown())
             return
+        if self.agent.heartbeat is not None:
+            self.agent.heartbeat.heard = True
         for msg in messages:
             self.agent.on_message(msg)
 

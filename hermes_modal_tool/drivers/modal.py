@@ -35,7 +35,7 @@ from typing import Any
 import modal
 from modal import exception as mexc
 
-from .. import agent
+from .. import agent, protocol
 from ..config import SandboxConfig
 from ..errors import CredentialsError, SandboxStartError, SecretNotFoundError
 from . import _modal_sdk
@@ -57,6 +57,16 @@ PYTHON_IMAGE_HINTS = ("python", "pytorch", "tensorflow", "jupyter", "conda", "ma
 AGENT_SH = ('for p in python3 python; do if command -v "$p" >/dev/null 2>&1; then '
             'exec "$p" -I -S -c "$1"; fi; done; '
             'echo "hermes-modal-tool: no python3 or python in this image" >&2; exit 127')
+#: The sandbox's entrypoint (PID 1): it ends the sandbox when the agent has not marked
+#: the heartbeat file for ``$1`` seconds (the agent marks it while it hears from the owner).
+#: The file is root's, in a 0700 directory: a slot can neither refresh nor remove it.
+WATCHDOG_SH = ('d=/tmp/.hermes-modal-tool-beat; mkdir -p -m 700 "$d"; f="$d/beat"; touch "$f"; '
+               'while sleep 2; do '
+               'age=$(( $(date +%s) - $(stat -c %Y "$f" 2>/dev/null || echo 0) )); '
+               'if [ "$age" -gt "$1" ]; then '
+               'echo "hermes-modal-tool: no heartbeat from the owner for ${age} s (heartbeat_timeout '
+               '$1 s): ending the sandbox" >&2; exit 0; fi; done')
+HEARTBEAT_FILE = "/tmp/.hermes-modal-tool-beat/beat"
 _RETRYABLE = (mexc.ResourceExhaustedError, mexc.ServiceError, mexc.InternalError,
               mexc.ConnectionError, mexc.TimeoutError, ConnectionError, OSError)
 _DEATH_TEXT = {
@@ -69,7 +79,8 @@ _DEATH_TEXT = {
     "internal_failure": "Modal lost the sandbox (internal failure or preemption)",
     "init_failure": "the sandbox failed to start",
     "failed": "the sandbox failed",
-    "exited": "the sandbox's entrypoint exited",
+    "exited": "the sandbox's watchdog ended it: the agent heard nothing from this process for "
+              "heartbeat_timeout ({heartbeat_timeout:g} s; was the event loop blocked?)",
 }
 
 
@@ -194,7 +205,18 @@ class ModalHandle(SandboxHandle):
                                        name=f"hermes-modal-tool stdin {sandbox_id}")
         self._stdin.add_done_callback(self._stdin_done)
         self._errors = loop.create_task(self._read_stderr(), name=f"hermes-modal-tool stderr {sandbox_id}")
+        self._beat = loop.create_task(self._heartbeat(config.heartbeat_timeout / 6),
+                                      name=f"hermes-modal-tool heartbeat {sandbox_id}")
         self._reader: asyncio.Task | None = None
+
+    async def _heartbeat(self, every: float) -> None:
+        """Tell the agent the owner is alive (see ``WATCHDOG_SH``): one small frame on the
+        open stream every ``every`` seconds, no RPC."""
+        frame = protocol.encode({"id": 0, "op": "ping"})
+        while not self._pipe.closed:
+            await asyncio.sleep(every)
+            if not self._pipe.closed:
+                self._pipe.write(frame)
 
     def _stdin_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None and self._reason is None:
@@ -250,8 +272,8 @@ class ModalHandle(SandboxHandle):
             await asyncio.sleep(0.05)
         cfg = self._config
         if status in _DEATH_TEXT:
-            why = _DEATH_TEXT[status].format(max_lifetime=cfg.max_lifetime,
-                                            idle_timeout=cfg.idle_timeout, memory=cfg.memory)
+            why = _DEATH_TEXT[status].format(max_lifetime=cfg.max_lifetime, idle_timeout=cfg.idle_timeout,
+                                             memory=cfg.memory, heartbeat_timeout=cfg.heartbeat_timeout)
             if code is not None:
                 why += f" (exit code {code})"
         else:
@@ -279,10 +301,10 @@ class ModalHandle(SandboxHandle):
             log.warning("could not terminate Modal sandbox %s: %s", self.modal_id, exc)
         else:
             self._driver._live.pop(self.modal_id, None)
-        for task in (self._reader, self._stdin, self._errors):
+        for task in (self._reader, self._stdin, self._errors, self._beat):
             if task is not None and not task.done():
                 task.cancel()
-        for task in (self._reader, self._stdin, self._errors):
+        for task in (self._reader, self._stdin, self._errors, self._beat):
             if task is not None:
                 with contextlib.suppress(BaseException):
                     await task
@@ -385,7 +407,8 @@ class ModalDriver(Driver):
             await self._limiter.wait()
             try:
                 sb = await modal.Sandbox.create.aio(
-                    app=app, image=image, secrets=secrets, env=dict(config.env_vars) or None,
+                    "sh", "-c", WATCHDOG_SH, "hermes-modal-tool-watchdog",
+                    str(int(config.heartbeat_timeout)), app=app, image=image, secrets=secrets, env=dict(config.env_vars) or None,
                     cpu=config.cpu, memory=config.memory, gpu=config.gpu,
                     timeout=max(1, int(config.max_lifetime)),
                     idle_timeout=max(1, int(config.idle_timeout)),
@@ -466,6 +489,7 @@ class ModalDriver(Driver):
             "workdir": config.workdir,
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
+            "heartbeat": {"file": HEARTBEAT_FILE, "every": config.heartbeat_timeout / 6},
         }
         return handle, init
 

@@ -121,7 +121,8 @@ OWNER = textwrap.dedent("""
 
     async def main():
         backend = ToolBackend(SandboxConfig(name=sys.argv[1], driver="modal", slots_per_sandbox=2,
-                                            min_sandboxes=2, max_sandboxes=2))
+                                            min_sandboxes=2, max_sandboxes=2,
+                                            heartbeat_timeout=float(sys.argv[2])))
         await backend.start()
         slot = await backend.acquire("doomed")
         await backend.execute_batch([(slot, "bash", {"command": "sleep 600 &"})])
@@ -135,7 +136,7 @@ OWNER = textwrap.dedent("""
 async def test_modal_gc_terminates_what_a_killed_owner_left(modal_server, make_backend):
     profile = "crash" + os.urandom(3).hex()
     owner = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", OWNER, profile, stdout=subprocess.PIPE, env={**os.environ}, cwd=ROOT)
+        sys.executable, "-c", OWNER, profile, "60", stdout=subprocess.PIPE, env={**os.environ}, cwd=ROOT)
     try:
         line = await asyncio.wait_for(owner.stdout.readline(), 60)
         assert line.strip() == b"ready"
@@ -159,3 +160,29 @@ async def test_modal_gc_terminates_what_a_killed_owner_left(modal_server, make_b
         if record.tags.get("hmt-profile") == profile:
             assert record.live_execs == 0
 
+
+
+async def test_modal_sandboxes_of_a_killed_owner_end_themselves(modal_server):
+    """No ``modal gc``: the owner heartbeats on the agent's stream; once it is killed with
+    -9 nothing marks the sandbox's heartbeat file and its watchdog (PID 1) ends it within
+    ``heartbeat_timeout`` plus 10 s."""
+    profile = "orphan" + os.urandom(3).hex()
+    heartbeat_timeout = 6.0
+    owner = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", OWNER, profile, str(heartbeat_timeout), stdout=subprocess.PIPE,
+        env={**os.environ}, cwd=ROOT)
+    try:
+        line = await asyncio.wait_for(owner.stdout.readline(), 60)
+        assert line.strip() == b"ready"
+        await asyncio.sleep(2 * heartbeat_timeout)  # a live owner's sandboxes stay up
+        assert len(running_sandboxes(modal_server, profile)) == 2
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        await owner.wait()
+    killed = time.monotonic()
+    while running_sandboxes(modal_server, profile):
+        assert time.monotonic() - killed < heartbeat_timeout + 10, "sandboxes outlived their owner"
+        await asyncio.sleep(0.5)
+    for record in modal_server.sandboxes.values():
+        if record.tags.get("hmt-profile") == profile:
+            assert record.live_execs == 0 and record.status == "finished", record
