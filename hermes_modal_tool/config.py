@@ -96,7 +96,9 @@ class SandboxConfig(BaseModel):
     network: bool = Field(True, description="False: loopback only inside each slot.")
     isolation: Literal["bwrap", "none"] = Field(
         "bwrap", description="'none' runs slots without namespaces (trusted code only).")
-    slot_memory: int | None = Field(None, gt=0, description="Memory limit per slot, MiB (default: memory).")
+    slot_memory: int | None = Field(
+        None, gt=0, description="Memory limit per slot, MiB; default: a fair share, memory / "
+                                "slots_per_sandbox (at least 64). See slot_memory_mb.")
     pids_limit: int = Field(512, ge=8, le=1_000_000, description="Processes per slot.")
     output_limit: int = Field(50_000, ge=100, le=100_000_000, description="Output cap per call, characters.")
     heartbeat_timeout: float = Field(
@@ -127,6 +129,14 @@ class SandboxConfig(BaseModel):
         if not isinstance(value, bool) and not (0 < value < math.inf):
             raise ValueError(f"must be true, false or a positive number of seconds, got {value!r}")
         return value
+
+    @property
+    def slot_memory_mb(self) -> int:
+        """The memory limit each slot gets (MiB): ``slot_memory`` if set, else a fair share
+        of the sandbox, ``memory // slots_per_sandbox`` but at least 64 MiB, so that no slot
+        can take its neighbours' memory (the sandbox's own limit still caps the sum).
+        Writable tmpfs mounts in a slot are capped at half of it each (see SECURITY.md)."""
+        return self.slot_memory or max(64, self.memory // self.slots_per_sandbox)
 
     @property
     def scale_down_after(self) -> float | None:

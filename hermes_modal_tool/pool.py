@@ -464,6 +464,7 @@ class SandboxPool(SlotResets):
             "filesystem": self.info.get("filesystem"),
             "filesystem_note": self.info.get("filesystem_note") or None,
             "slot_disk": self.info.get("slot_disk"),
+            "caps": self.info.get("caps"),
             "limits": self.info.get("limits"),
             "limits_note": self.info.get("limits_note") or None,
             "abstract_sockets": self.info.get("abstract_sockets"),

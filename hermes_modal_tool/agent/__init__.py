@@ -31,6 +31,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),
     ("hermes_modal_tool.agent.slot", "agent/slot.py"),
     ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),
+    ("hermes_modal_tool.agent.caps", "agent/caps.py"),
     ("hermes_modal_tool.agent.heartbeat", "agent/heartbeat.py"),
     ("hermes_modal_tool.agent.main", "agent/main.py"),
 )

@@ -27,6 +27,8 @@ from . import scopes
 # Top-level directories never bound into a slot (replaced or omitted).
 HIDDEN_TOP = frozenset(("proc", "dev", "sys", "tmp", "run", "home", "root", "mnt", "media",
                         "lost+found", "boot"))
+#: The writable tmpfs mounts of a workspace-only slot, each capped at ``tmpfs_mb``.
+WRITABLE_TMPFS = ("/dev/shm", "/tmp", "/run", "/home", "/root", "/mnt", "/var/tmp")
 # Where a slot sees its control files (the command to run, its stdin).
 CTL_PATH = "/run/hmt"  # short: bash reads the per-command line one byte at a time
 
@@ -44,8 +46,9 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
         hide: extra absolute paths to cover with an empty tmpfs.
         hostname: the slot's hostname.
         info_fd: fd bwrap writes ``{"child-pid": N}`` to.
-        tmpfs_mb: size cap of each writable tmpfs (``/tmp``, ``/var/tmp``, ``/run``,
-            ``/dev/shm``); their pages also count toward the slot's memory cgroup.
+        tmpfs_mb: size cap of each writable tmpfs (:data:`WRITABLE_TMPFS`); their pages
+            also count toward the slot's memory cgroup. Everything else outside the
+            workspace is read-only.
     """
     size = ["--size", str(int(tmpfs_mb) * 1024 * 1024)] if tmpfs_mb else []
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -62,16 +65,18 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev"] + size + ["--tmpfs", "/dev/shm"] + size + [
-        "--tmpfs", "/tmp"] + size + ["--tmpfs", "/run",
-                                     "--dir", "/home", "--dir", "/root", "--dir", "/mnt"]
-    if os.path.isdir("/var/tmp"):
-        argv += size + ["--tmpfs", "/var/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    for path in WRITABLE_TMPFS:  # each capped; their pages count toward the memory cgroup
+        if path != "/var/tmp" or os.path.isdir(path):
+            argv += size + ["--tmpfs", path]
     for path in hide:
         if path and path != "/" and _under_bound(path):
-            argv += ["--tmpfs", path]
+            argv += ["--tmpfs", path, "--remount-ro", path]
+    # Nothing else is writable: bwrap's own root tmpfs (where /data and the mount points
+    # live) and /dev's tmpfs have no size cap, so they are made read-only last.
     argv += ["--dir", os.path.dirname(ws_path) or "/", "--bind", ws_host, ws_path,
-             "--ro-bind", ctl_host, CTL_PATH, "--chdir", ws_path]
+             "--ro-bind", ctl_host, CTL_PATH, "--chdir", ws_path,
+             "--remount-ro", "/dev", "--remount-ro", "/"]
     return argv
 
 

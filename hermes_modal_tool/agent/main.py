@@ -22,8 +22,8 @@ import sys
 import time
 
 from .. import protocol
-from . import admission, files, filetools, isolation, rootfs, rootplan
-from .diskwatch import DISK_WATCH_S, DiskWatch
+from . import admission, caps, files, filetools, isolation, rootfs, rootplan
+from .diskwatch import DiskWatch
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
 
@@ -171,10 +171,7 @@ class Agent(DiskWatch):
         self.slot_disk_mb = cfg.get("slot_disk") or None
         self.filesystem, filesystem_note = self._choose_filesystem(cfg)
         limits = dict(cfg.get("limits", {}))
-        # A slot's /tmp (and /run, /var/tmp, /dev/shm) may hold at most half its memory
-        # limit each: a full /tmp fails with ENOSPC instead of growing without bound.
-        mem = limits.get("slot_memory_mb") or limits.get("memory_mb")
-        self.tmpfs_mb = max(16, int(mem) // 2) if mem else None
+        self.tmpfs_mb = caps.tmpfs_mb_for(limits)
         limits.setdefault("sandbox_pids", (limits.get("pids") or 0) * cfg["slots"] + 64
                           if limits.get("pids") else None)
         os.makedirs(self.state_dir, exist_ok=True)
@@ -204,6 +201,7 @@ class Agent(DiskWatch):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             pass
+        slot_caps = caps.caps_report(limits, limit_mode, self.filesystem, self.tmpfs_mb, self.slot_disk_mb)
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "python": "%d.%d.%d" % sys.version_info[:3],
@@ -217,13 +215,8 @@ class Agent(DiskWatch):
             "slots": len(self.slots),
             "filesystem": self.filesystem,
             "filesystem_note": filesystem_note,
-            "slot_disk": (None if not self.slot_disk_mb else
-                          {"mib": self.slot_disk_mb, "enforced": "watched",
-                           "note": "measured every %gs while a command runs and when it ends; "
-                                   "the command is stopped past the limit" % DISK_WATCH_S}
-                          if self.filesystem == "overlay" else
-                          {"mib": self.slot_disk_mb, "enforced": "none",
-                           "note": "no layered root: the limit is not applied"}),
+            "caps": slot_caps,
+            "slot_disk": slot_caps["disk"] if self.slot_disk_mb else None,
         }
 
     def _choose_filesystem(self, cfg):

@@ -425,7 +425,7 @@ class LocalDriver(Driver):
             "network": config.network,
             "env": slot_env,
             "uid_base": (200000 + (next(_UID_SEQ) % 16384) * 4096) if root and config.isolation == "bwrap" else None,
-            "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory or config.memory,
+            "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory_mb,
                        "pids": config.pids_limit, "cpu": config.cpu},
             "output_limit": config.output_limit,
             "hide": [str(self.state_root)] + [str(d) for d in secret_dirs()],

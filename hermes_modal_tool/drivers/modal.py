@@ -481,7 +481,7 @@ class ModalDriver(Driver):
             "env": {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", **config.env_vars},
             "inherit_env": True,
             "uid_base": UID_BASE if config.isolation == "bwrap" else None,
-            "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory or config.memory,
+            "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory_mb,
                        "pids": config.pids_limit, "cpu": config.cpu},
             "output_limit": config.output_limit,
             "hide": [],

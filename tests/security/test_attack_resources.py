@@ -1,15 +1,17 @@
 """Resource attacks: each is stopped by its configured limit or timeout, the result says
 which, and the sandbox and its other slots keep working.
 
-Known limit: the workspace itself has no disk quota (it lives on the host's disk);
-``/tmp``, ``/var/tmp``, ``/run`` and ``/dev/shm`` are tmpfs capped at half the slot's
-memory each (and charged to its memory cgroup).
+Each slot's memory defaults to a fair share of its sandbox's. Memory-backed writable
+places (``/dev/shm``, and without a layered root ``/tmp``, ``/var/tmp``, ``/run``,
+``/home``, ``/root``, ``/mnt``) are tmpfs capped at half the slot's memory each and
+charged to its memory cgroup; the disk-backed ones by ``slot_disk`` when set.
 """
 
 from __future__ import annotations
 
 import shutil
 
+import pytest
 from support import bash, layered, processes, settle
 
 from .helpers import fresh_shell_only, host_can_fork, none_alive, pids_of_uid, slot_uid
@@ -125,3 +127,24 @@ async def test_busy_loops_stop_at_the_timeout(backend, two_slots):
 
         assert await settle(lambda: not spinning()), spinning()
     assert (await bash(backend, b, "echo responsive")).output.endswith("responsive\n")
+
+
+@pytest.mark.parametrize("filesystem", ["auto", "workspace-only"])
+async def test_default_slot_memory_is_a_fair_share(make_backend, filesystem):
+    """``memory=512`` for two slots and no ``slot_memory``: a slot that fills every
+    writable memory-backed place it has cannot take its neighbour's share, and the
+    writable places outside those (bwrap's root, ``/dev``) are read-only or capped."""
+    backend = await make_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1,
+                                 filesystem=filesystem)
+    pool = backend.get_status()["pools"][backend.default_profile]
+    assert pool["caps"]["memory"]["mib"] == 256, pool["caps"]
+    hog, neighbour = await backend.acquire("hog"), await backend.acquire("neighbour")
+    places = " ".join(pool["caps"]["tmpfs"]["places"] + ["/dev", "/data"])
+    fill = f"for d in {places}; do head -c 400M /dev/zero > $d/fill 2>/dev/null; done; echo filled"
+    r = await bash(backend, hog, fill, timeout=60)
+    assert r.output.endswith("filled\n") or "memory limit" in (r.error or ""), (r.output, r.error)
+    r = await bash(backend, neighbour, "python3 -c 'x = bytearray(150 * 1024 * 1024); "
+                                       "x[::4096] = b\"y\" * len(x[::4096]); print(len(x))'", timeout=60)
+    assert r.success and r.output == f"{150 * 1024 * 1024}\n", (r.output, r.error)
+    used = await bash(backend, hog, f"du -smc {places} 2>/dev/null | tail -1")
+    assert int(used.output.split()[0]) <= 256, used.output
