@@ -96,21 +96,21 @@ def _read_lines(fh, offset, limit, keep):
         last = chunk
         breaks = chunk.count(b"\n")
         if line + breaks >= offset and (end is None or line < end):
-            parts = chunk.split(b"\n")
-            for i, part in enumerate(parts):
-                if offset <= line + i and (end is None or line + i < end):
-                    piece = part + (b"\n" if i < breaks else b"")
-                    if i < breaks:
-                        chosen_lines += 1
-                    room = keep - len(head)
-                    if room > 0:
-                        head += piece[:room]
-                        piece = piece[room:]
-                    tail += piece
-                    if len(tail) > 2 * keep:
-                        cut = len(tail) - keep
-                        dropped += cut
-                        del tail[:cut]
+            # The chosen lines of this chunk as one slice (no per-line work: a file of
+            # millions of short lines must not hold the GIL line by line).
+            start = 0 if offset <= line else _after_nth(chunk, offset - line)
+            stop = len(chunk) if end is None or end > line + breaks else _after_nth(chunk, end - line)
+            piece = chunk[start:stop]
+            chosen_lines += piece.count(b"\n")
+            room = keep - len(head)
+            if room > 0:
+                head += piece[:room]
+                piece = piece[room:]
+            tail += piece
+            if len(tail) > 2 * keep:
+                cut = len(tail) - keep
+                dropped += cut
+                del tail[:cut]
         line += breaks
     if last and not last.endswith(b"\n"):
         if offset <= line and (end is None or line < end):
@@ -121,6 +121,14 @@ def _read_lines(fh, offset, limit, keep):
         dropped += cut
         del tail[:cut]
     return bytes(head), bytes(tail), dropped, chosen_lines, line
+
+
+def _after_nth(data, n):
+    """The index just after the ``n``-th newline of ``data`` (n >= 1; it has that many)."""
+    pos = -1
+    for _ in range(n):
+        pos = data.find(b"\n", pos + 1)
+    return pos + 1
 
 
 def write_file(ws, args, limit=50000):

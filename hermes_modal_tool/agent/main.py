@@ -22,7 +22,7 @@ import sys
 import time
 
 from .. import protocol
-from . import admission, caps, files, filetools, isolation, rootfs, rootplan
+from . import admission, caps, cgroups, files, filetools, isolation, rootfs, rootplan
 from .diskwatch import DiskWatch
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
@@ -184,7 +184,7 @@ class Agent(DiskWatch):
         limit_mode = "none"
         reason = ""
         if cfg.get("cgroups", True):
-            self.cgroups = isolation.Cgroups(
+            self.cgroups = cgroups.Cgroups(
                 cfg.get("cgroup_name") or "%s-%d" % (cfg.get("sandbox_id", "sandbox"), os.getpid()),
                 limits)
             limit_mode = self.cgroups.mode

@@ -11,6 +11,9 @@ import resource
 from . import files, isolation, rootfs
 from .shell import Shell
 
+#: Shared temporary directories a slot without namespaces can write (purged on reset).
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+
 
 class SlotRuntime:
     """A slot inside the agent: its workspace, control directory, shell and call queue."""
@@ -160,6 +163,10 @@ class SlotRuntime:
             await shell.stop()
             if self.agent.cgroups:
                 self.agent.cgroups.kill_slot(self.index)
+            if self.agent.isolation != "bwrap" and self.uid is not None:
+                # No PID namespace: a process may have left the shell's session (setsid).
+                await self.agent.loop.run_in_executor(
+                    self.agent.file_workers, isolation.purge_uid, self.uid, SHARED_TMP)
             self.close_ctl()
             for name in os.listdir(self.ctl_host):
                 try:

@@ -17,3 +17,31 @@ async def two_slots(backend):
     return a, b
 
 
+
+
+#: Where slots run: locally; on Modal (the local control plane) with bwrap in the image;
+#: on Modal without it (each slot only has its own uid, 0700 workspace and session).
+MODES = {"local": {}, "modal": {"driver": "modal"},
+         "modal-nobwrap": {"driver": "modal", "env_vars": {
+             "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}}}
+
+
+@pytest.fixture(params=list(MODES))
+async def mode_backend(request, make_backend):
+    """A backend factory for each mode of :data:`MODES`; ``stop()`` leaves no Modal
+    sandbox running."""
+    if request.param != "local":
+        request.getfixturevalue("modal_server")
+    made = []
+
+    async def build(**fields):
+        backend = await make_backend(**{**fields, **MODES[request.param]})
+        made.append(backend)
+        isolation = backend.get_status()["pools"][backend.default_profile]["isolation"]
+        assert isolation == ("none" if request.param == "modal-nobwrap" else "bwrap"), isolation
+        return backend
+
+    yield build
+    for backend in made:
+        make_backend.note(backend)
+        await backend.stop()

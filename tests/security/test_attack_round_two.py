@@ -11,9 +11,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from support import agent_processes, bash
+from support import SMALL, agent_processes, bash, processes
 
-from .helpers import call, victim_state
+from .helpers import call, none_alive, victim_state
 
 SYS_ADD_KEY = {"x86_64": 248, "aarch64": 217}.get(platform.machine())
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
@@ -190,3 +190,29 @@ async def test_deep_and_wide_trees_are_removed_by_the_host_and_the_agent(tmp_pat
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     await driver.aclose()  # the host's cleanup of a sandbox's state (shutil.rmtree failed)
     assert not deep.exists() and not wide.exists() and not driver.state_root.exists()
+
+
+async def test_nothing_a_tenant_started_outlives_its_release(mode_backend):
+    """A double-forked ``setsid`` process (a new session, so not in the shell's) and files
+    in shared ``/tmp`` do not reach the slot's next tenant, in every mode: without bwrap
+    (Modal) every process of the slot's uid is ended and what it owns in ``/tmp``,
+    ``/var/tmp`` and ``/dev/shm`` removed."""
+    backend = await mode_backend(**{**SMALL, "slots_per_sandbox": 1, "max_sandboxes": 1})
+    tag = secrets.token_hex(6)
+    first = await backend.acquire("first")
+    r = await bash(backend, first, f"(setsid bash -c 'exec -a hmt-escapee-{tag} sleep 600' "
+                                   f"</dev/null >/dev/null 2>&1 &); echo left > /tmp/hmt-left-{tag}; "
+                                   f"mkdir /dev/shm/hmt-dir-{tag} && echo x > /dev/shm/hmt-dir-{tag}/f; "
+                                   "sleep 0.5; echo started")
+    assert r.output == "started\n", (r.output, r.error)
+    escapee = [p for p, proc in processes().items() if f"hmt-escapee-{tag}".encode() in proc.cmdline]
+    assert escapee, "the escapee never ran"
+    await backend.release(first, reset_workspace=True)
+    assert none_alive(escapee)
+    second = await backend.acquire("second")
+    assert second.slot_id == first.slot_id
+    r = await bash(backend, second, f"ls /tmp/hmt-left-{tag} /dev/shm/hmt-dir-{tag} 2>&1; "
+                                    f"pgrep -f hmt-escapee-{tag}; echo end")
+    lines = r.output.splitlines()  # two misses and no pid from pgrep
+    assert len(lines) == 3 and all("No such file" in line for line in lines[:2]), r.output
+    assert lines[2] == "end", r.output

@@ -1,0 +1,221 @@
+"""Per-sandbox and per-slot cgroups (v1 or v2): memory, pids and CPU limits, and the
+kill switch for everything a slot started. Falls back to rlimits (``mode == "rlimit"``)
+where the machine refuses.
+
+Stdlib-only, Python 3.8.
+"""
+
+import errno
+import os
+import signal
+
+from .isolation import _kill
+
+
+class Cgroups:
+    """Per-sandbox and per-slot cgroups (v1 or v2), or None when the machine refuses.
+
+    ``mode`` is ``"cgroup-v2"``, ``"cgroup-v1"`` or ``"rlimit"`` (the fallback).
+    """
+
+    CONTROLLERS = ("memory", "pids", "cpu")
+
+    def __init__(self, name, limits):
+        self.name = name
+        self.limits = limits
+        self.mode = "rlimit"
+        self.reason = ""
+        self._bases = {}  # controller -> sandbox cgroup dir
+        try:
+            self._setup()
+        except OSError as exc:
+            self.reason = "cgroups unavailable (%s); using rlimits" % (exc.strerror or exc,)
+            self.remove_all()
+            self._bases = {}
+            self.mode = "rlimit"
+
+    # -- setup -------------------------------------------------------------
+    def _setup(self):
+        mounts = _cgroup_mounts()
+        if "cgroup2" in mounts and not mounts.get("v1"):
+            root = mounts["cgroup2"]
+            own = _own_cgroup_path(v2=True)
+            parent = os.path.join(root, own.lstrip("/"), "hermes-modal-tool")
+            _mkdir(parent)
+            _write(os.path.join(os.path.dirname(parent), "cgroup.subtree_control"),
+                   "+memory +pids +cpu", ignore=(errno.EBUSY, errno.ENOENT))
+            _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids +cpu")
+            base = os.path.join(parent, self.name)
+            _mkdir(base)
+            _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids +cpu")
+            self._bases = {"unified": base}
+            self.mode = "cgroup-v2"
+        else:
+            v1 = mounts.get("v1", {})
+            for ctrl in self.CONTROLLERS:
+                if ctrl not in v1:
+                    raise OSError(errno.ENOENT, "no cgroup v1 %s controller mounted" % ctrl)
+            for ctrl in self.CONTROLLERS:
+                base = os.path.join(v1[ctrl], "hermes-modal-tool", self.name)
+                _mkdir(base)
+                self._bases[ctrl] = base
+            self.mode = "cgroup-v1"
+        self._apply(self._dirs(None), sandbox=True)
+
+    def _dirs(self, slot):
+        sub = "" if slot is None else "slot_%d" % slot
+        return {ctrl: os.path.join(base, sub) if sub else base for ctrl, base in self._bases.items()}
+
+    def _apply(self, dirs, sandbox):
+        lim = self.limits
+        mem = lim.get("memory_mb") if sandbox else lim.get("slot_memory_mb")
+        pids = lim.get("sandbox_pids") if sandbox else lim.get("pids")
+        cpu = lim.get("cpu") if sandbox else None
+        if self.mode == "cgroup-v2":
+            d = dirs["unified"]
+            if mem:
+                _write(os.path.join(d, "memory.max"), str(int(mem) * 1024 * 1024))
+                _write(os.path.join(d, "memory.swap.max"), "0", ignore=(errno.ENOENT,))
+            if pids:
+                _write(os.path.join(d, "pids.max"), str(int(pids)))
+            if cpu:
+                _write(os.path.join(d, "cpu.max"), "%d 100000" % max(1000, int(cpu * 100000)))
+        else:
+            if mem:
+                _write(os.path.join(dirs["memory"], "memory.limit_in_bytes"),
+                       str(int(mem) * 1024 * 1024))
+            if pids:
+                _write(os.path.join(dirs["pids"], "pids.max"), str(int(pids)))
+            if cpu:
+                _write(os.path.join(dirs["cpu"], "cpu.cfs_period_us"), "100000")
+                _write(os.path.join(dirs["cpu"], "cpu.cfs_quota_us"),
+                       str(max(1000, int(cpu * 100000))))
+
+    # -- per slot ----------------------------------------------------------
+    def slot_procs_files(self, slot):
+        """Create the slot's cgroups; return the ``cgroup.procs`` files to join."""
+        if self.mode == "rlimit":
+            return []
+        dirs = self._dirs(slot)
+        for d in dirs.values():
+            _mkdir(d)
+        self._apply(dirs, sandbox=False)
+        return [os.path.join(d, "cgroup.procs") for d in dirs.values()]
+
+    def slot_pids(self, slot):
+        """Host pids currently in the slot's cgroup (empty when not using cgroups)."""
+        if self.mode == "rlimit":
+            return []
+        pids = set()
+        for d in self._dirs(slot).values():
+            try:
+                with open(os.path.join(d, "cgroup.procs")) as fh:
+                    pids.update(int(x) for x in fh.read().split())
+            except OSError:
+                pass
+        return sorted(pids)
+
+    def kill_slot(self, slot):
+        """SIGKILL every process in the slot's cgroup."""
+        me = os.getpid()
+        for pid in self.slot_pids(slot):
+            if pid != me:
+                _kill(pid, signal.SIGKILL)
+
+    def remove_slot(self, slot):
+        for d in self._dirs(slot).values():
+            _rmdir(d)
+
+    def remove_all(self):
+        """Remove the sandbox's cgroups; return True when none is left."""
+        for base in self._bases.values():
+            if os.path.isdir(base):
+                for entry in os.listdir(base):
+                    if entry.startswith("slot_"):
+                        _rmdir(os.path.join(base, entry))
+            _rmdir(base)
+            _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
+        return not any(os.path.isdir(base) for base in self._bases.values())
+
+    def pids_limit_events(self, slot):
+        """How many times a fork in the slot failed at its pids limit (``pids.events`` ``max``)."""
+        if self.mode == "rlimit":
+            return 0
+        d = self._dirs(slot)
+        path = os.path.join(d["pids"] if self.mode == "cgroup-v1" else d["unified"], "pids.events")
+        try:
+            with open(path) as fh:
+                for line in fh:
+                    key, _, value = line.partition(" ")
+                    if key == "max":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def memory_peak_exceeded(self, slot):
+        """True if the slot's memory cgroup has hit its limit (an OOM kill is likely)."""
+        if self.mode == "cgroup-v1":
+            path = os.path.join(self._dirs(slot)["memory"], "memory.failcnt")
+        elif self.mode == "cgroup-v2":
+            path = os.path.join(self._dirs(slot)["unified"], "memory.events")
+        else:
+            return False
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except OSError:
+            return False
+        if self.mode == "cgroup-v1":
+            return text.strip() not in ("", "0")
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip() != "0":
+                return True
+        return False
+
+
+def _cgroup_mounts():
+    found = {"v1": {}}
+    with open("/proc/self/mounts") as fh:
+        for line in fh:
+            parts = line.split()
+            if len(parts) < 4:
+                continue
+            mnt, fstype, opts = parts[1], parts[2], parts[3].split(",")
+            if fstype == "cgroup2":
+                found["cgroup2"] = mnt
+            elif fstype == "cgroup":
+                for ctrl in Cgroups.CONTROLLERS:
+                    if ctrl in opts and ctrl not in found["v1"]:
+                        found["v1"][ctrl] = mnt
+    return found
+
+
+def _own_cgroup_path(v2):
+    with open("/proc/self/cgroup") as fh:
+        for line in fh:
+            hid, ctrls, path = line.rstrip("\n").split(":", 2)
+            if v2 and hid == "0":
+                return path
+    return "/"
+
+
+def _mkdir(path):
+    os.makedirs(path, exist_ok=True)
+
+
+def _rmdir(path):
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _write(path, value, ignore=()):
+    try:
+        with open(path, "w") as fh:
+            fh.write(value)
+    except OSError as exc:
+        if exc.errno not in ignore:
+            raise
