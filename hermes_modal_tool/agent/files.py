@@ -17,7 +17,7 @@ import errno
 import os
 import stat
 
-from .rootfs import open_subdir_same_mount
+from .trees import empty_dir
 
 MAX_READ_BYTES = 64 * 1024 * 1024
 READ_CHUNK = 1024 * 1024
@@ -384,7 +384,7 @@ class Workspace:
         Raises OSError when something in it could not be removed (an immutable file, a
         mount): such a workspace must not go to the next tenant (the host quarantines it).
         """
-        _rmtree_contents(self.host)
+        empty_dir(self.host)
         left = sorted(os.listdir(self.host)) if os.path.isdir(self.host) else []
         if left:
             raise OSError(errno.ENOTEMPTY, "could not empty the workspace: %d entries remain "
@@ -394,103 +394,3 @@ class Workspace:
         os.chmod(self.host, 0o700 if self.uid is not None else 0o755)
         if self.uid is not None:
             os.chown(self.host, self.uid, self.gid)
-
-
-def _rmtree_contents(path):
-    """Delete everything inside ``path`` (not following links), however deep."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    _rm_in(fd)
-
-
-def remove_tree(path):
-    """Delete ``path`` and everything in it (iterative: no recursion limit)."""
-    _rmtree_contents(path)
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def _rm_in(top_fd):
-    """Empty the directory open at ``top_fd`` (and close it), however deep or wide.
-
-    No recursion and a constant number of open files: it holds the directory it is in,
-    and goes back up through ``..``, checked to be the directory it came from (so a
-    directory moved meanwhile is never a way out). Each directory is listed once (its
-    remaining names are kept while below it), so the time is linear in what it removes.
-    Mount points are never entered; what cannot be removed is left.
-    """
-    fd = top_fd
-    try:
-        os.fchmod(fd, 0o700)  # its entries can be removed even if it was made read-only
-    except OSError:
-        pass
-    stack = []  # per level below the top: (its name, the parent's remaining names, parent id)
-    pending = _names(fd)
-    given_up = set()  # (dev, ino) of directories that could not be entered or removed
-    try:
-        while True:
-            child = name = None
-            while pending:
-                name = pending.pop()
-                try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    continue
-                if not stat.S_ISDIR(st.st_mode):
-                    try:
-                        os.unlink(name, dir_fd=fd)
-                    except OSError:
-                        pass
-                    continue
-                if (st.st_dev, st.st_ino) in given_up:
-                    continue
-                try:
-                    child = open_subdir_same_mount(fd, name)
-                except OSError:
-                    given_up.add((st.st_dev, st.st_ino))
-                    continue
-                break
-            if child is not None:
-                here = os.fstat(fd)
-                stack.append((name, pending, (here.st_dev, here.st_ino)))
-                os.close(fd)
-                fd = child
-                try:
-                    os.fchmod(fd, 0o700)
-                except OSError:
-                    pass
-                pending = _names(fd)
-                continue
-            if not stack:
-                return
-            name, pending, parent_id = stack.pop()
-            mine = os.fstat(fd)
-            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             dir_fd=fd)
-            os.close(fd)
-            fd = parent
-            pst = os.fstat(fd)
-            if (pst.st_dev, pst.st_ino) != parent_id:
-                raise OSError(errno.ESTALE, "a directory was moved during removal")
-            try:
-                os.rmdir(name, dir_fd=fd)
-            except OSError:
-                given_up.add((mine.st_dev, mine.st_ino))
-    finally:
-        os.close(fd)
-
-
-def _names(fd):
-    try:
-        return os.listdir(fd)
-    except OSError:
-        return []

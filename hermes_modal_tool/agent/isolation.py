@@ -133,10 +133,10 @@ def purge_uid(uid, shared_dirs):
     A child takes the uid and calls ``kill(-1, SIGKILL)``: the kernel signals, in one
     pass under its task list lock, every process that uid may signal, whatever session
     it is in; twice, for a fork that was under way. Afterwards nothing of the uid runs,
-    so the removal races with no one (and follows no links: ``files.remove_tree``).
+    so the removal races with no one (and follows no links: ``trees.remove_tree``).
     Blocking: call it from a worker thread.
     """
-    from . import files
+    from . import trees
 
     for _ in range(2):
         pid = os.fork()
@@ -163,7 +163,7 @@ def purge_uid(uid, shared_dirs):
             if st.st_uid != uid:
                 continue
             if stat.S_ISDIR(st.st_mode):
-                files.remove_tree(path)
+                trees.remove_tree(path)
             else:
                 try:
                     os.unlink(path)

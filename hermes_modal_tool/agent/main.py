@@ -22,7 +22,7 @@ import sys
 import time
 
 from .. import protocol
-from . import admission, caps, cgroups, files, filetools, isolation, rootfs, rootplan
+from . import admission, caps, cgroups, files, filetools, isolation, rootfs, rootplan, trees
 from .diskwatch import DiskWatch
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
@@ -429,7 +429,7 @@ class Agent(DiskWatch):
                 if not self.closing:
                     root.prepare_standby()
                 if trash is not None:
-                    files.remove_tree(trash)
+                    trees.remove_tree(trash)
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
                 sys.stderr.write("hermes-modal-tool agent: layer work failed: %s\n" % (exc,))
 
@@ -632,7 +632,7 @@ class Agent(DiskWatch):
             for path in (self.ctl_root, self.host_root if self.config.get("host_root") else None,
                          self.state_dir):
                 if path:
-                    files.remove_tree(path)  # iterative: a slot may have made a very deep tree
+                    trees.remove_tree(path)  # iterative: a slot may have made a very deep tree
         if mid is not None:
             self.send({"id": mid, "ok": True, "result": {}})
         if not self.done.done():

@@ -387,27 +387,34 @@ class SlotRoot:
             self._lowers = []
 
     def usage_bytes(self):
-        """Bytes the slot has written (its writable layer's blocks); linear in its files."""
+        """Bytes the slot has written (its writable layer's blocks); linear in its files.
+
+        Walked with directory descriptors (``trees.walk_tree``): the slot may change the
+        layer meanwhile, and the walk never follows its links or leaves the layer. A
+        directory moved during the walk ends it early (what was counted is returned).
+        """
+        from .trees import walk_tree
+
         layer = self.active
         if layer is None:
             return 0
-        total = 0
-        stack = [os.path.join(layer.dir, "upper"), os.path.join(layer.dir, "layers")]
-        while stack:
-            path = stack.pop()
+        total = [0]
+
+        def visit(fd, name, st):
+            total[0] += st.st_blocks * 512
+            return stat.S_ISDIR(st.st_mode)
+
+        for sub in ("upper", "layers"):
             try:
-                with os.scandir(path) as it:
-                    for entry in it:
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
-                        total += st.st_blocks * 512
-                        if stat.S_ISDIR(st.st_mode):
-                            stack.append(entry.path)
+                fd = os.open(os.path.join(layer.dir, sub),
+                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 continue
-        return total
+            try:
+                walk_tree(fd, visit)
+            except OSError:
+                pass
+        return total[0]
 
 
 def probe(state_dir):
@@ -451,6 +458,6 @@ def _remove_probe(test):
             os.rmdir(os.path.join(test, name))
         except OSError:
             pass
-    from .files import remove_tree
+    from .trees import remove_tree
 
     remove_tree(test)

@@ -232,7 +232,7 @@ async def _rmtree(path: Path) -> None:
     deep, past ``shutil``'s recursion limit and past a process's open-file limit; this one
     needs neither, never enters a mount point and is linear in what it removes.
     """
-    from ..agent.files import remove_tree
+    from ..agent.trees import remove_tree
 
     try:
         await asyncio.to_thread(remove_tree, str(path))

@@ -170,7 +170,7 @@ async def test_deep_and_wide_trees_are_removed_by_the_host_and_the_agent(tmp_pat
     import asyncio
     import resource
 
-    from hermes_modal_tool.agent.files import remove_tree
+    from hermes_modal_tool.agent.trees import remove_tree
     from hermes_modal_tool.drivers.local import LocalDriver
 
     deep, wide = tmp_path / "deep", tmp_path / "wide"
@@ -216,3 +216,19 @@ async def test_nothing_a_tenant_started_outlives_its_release(mode_backend):
     lines = r.output.splitlines()  # two misses and no pid from pgrep
     assert len(lines) == 3 and all("No such file" in line for line in lines[:2]), r.output
     assert lines[2] == "end", r.output
+
+
+async def test_disk_measurement_never_follows_a_link_the_slot_swaps_in(make_backend):
+    """The agent measures a slot's layer while its command runs (``slot_disk``), with
+    directory descriptors that never follow a link (``trees.walk_tree``). A slot that
+    keeps swapping a directory of its layer for a symlink to ``/`` gets no false stop.
+    (A path-based walk could be steered into the host's tree only in a narrow window
+    between listing a directory and entering it, so this cannot force the old flaw; it
+    checks that the walk holds up while the layer changes under it.)"""
+    backend = await make_backend(slot_disk=64)
+    slot = await backend.acquire("swapper")
+    swap = ("mkdir -p d/e/f; end=$((SECONDS + 4)); while [ $SECONDS -lt $end ]; do "
+            "mv d d.real; ln -s / d; rm d; mv d.real d; done; du -sm d | cut -f1")
+    r = await bash(backend, slot, swap, timeout=30)
+    assert r.success and "disk" not in (r.error or ""), (r.output, r.error, r.metadata)
+    assert "limits_hit" not in r.metadata, r.metadata
