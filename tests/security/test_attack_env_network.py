@@ -141,11 +141,11 @@ ABSTRACT_SERVE = ("python3 -c 'import socket,sys\ns=socket.socket(socket.AF_UNIX
                   "except OSError:\n    print(\"nobody\")' {name} > {log} 2>&1 &")
 
 
-async def test_abstract_unix_sockets_of_the_host_and_of_other_slots_are_out_of_reach(driver_backend):
+async def test_abstract_unix_sockets_of_the_host_and_of_other_slots_are_out_of_reach(mode_backend):
     """With ``network: true`` slots share the host's network namespace, and with it the
     abstract UNIX socket namespace. Each slot's shell runs in its own Landlock domain
     scoped for abstract sockets: it reaches its own, never the host's or a neighbour's."""
-    backend = await driver_backend(**SMALL, network=True)
+    backend = await mode_backend(**SMALL, network=True)
     attacker, neighbour = await backend.acquire("attacker"), await backend.acquire("neighbour")
     pool = backend.get_status()["pools"][backend.default_profile]
     assert pool["abstract_sockets"].startswith("scoped"), pool

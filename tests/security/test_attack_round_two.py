@@ -54,22 +54,22 @@ def ctl_dirs(backend, slot) -> list[Path]:
 
 
 @pytest.mark.skipif(SYS_KEYCTL is None, reason="keyctl numbers unknown on this machine")
-async def test_slots_get_their_own_session_keyring(make_backend):
+async def test_slots_get_their_own_session_keyring(mode_backend):
     """bwrap makes no session keyring: without one of its own, a slot reads (and can
     revoke) the keys of the session that started the backend, and other slots' keys."""
     host_payload = "host-secret-" + secrets.token_hex(4)
     host_add_session_key("hmt-host-key", host_payload.encode())
-    backend = await make_backend()  # its agent inherits this process's session keyring
+    backend = await mode_backend(**SMALL)  # its agent inherits this process's session keyring
     a = await backend.acquire("victim")
     b = await backend.acquire("attacker")
     script = KEYS_PY.replace("ADD_KEY", str(SYS_ADD_KEY)).replace("KEYCTL", str(SYS_KEYCTL))
-    await call(backend, a, "write_file", path="/tmp/keys.py", content=script)
-    await call(backend, b, "write_file", path="/tmp/keys.py", content=script)
+    await call(backend, a, "write_file", path="keys.py", content=script)
+    await call(backend, b, "write_file", path="keys.py", content=script)
     slot_payload = "slot-secret-" + secrets.token_hex(4)
-    r = await bash(backend, a, f"python3 /tmp/keys.py {slot_payload}")
+    r = await bash(backend, a, f"python3 keys.py {slot_payload}")
     assert r.output.splitlines()[0] == "added True", r.output
     assert slot_payload in r.output and host_payload not in r.output  # its own key only
-    r = await bash(backend, b, "python3 /tmp/keys.py")
+    r = await bash(backend, b, "python3 keys.py")
     assert slot_payload not in r.output and host_payload not in r.output, r.output
 
 
@@ -94,7 +94,9 @@ async def test_control_files_are_not_the_slots_to_change_or_others_to_read(backe
     assert await victim_state(backend, a) == ["victim-secret", "d", "secret.txt", "x"]
 
 
-async def test_names_that_are_not_utf8_come_back_printable(backend, slot):
+async def test_names_that_are_not_utf8_come_back_printable(mode_backend):
+    backend = await mode_backend(**SMALL)
+    slot = await backend.acquire("odd-names")
     r = await bash(backend, slot, "touch \"$(printf 'report\\377\\376.txt')\" plain.txt; ls | wc -l")
     assert r.output.strip() == "2"
     for tool in ("list_files", "list_artifacts"):
