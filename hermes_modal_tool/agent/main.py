@@ -163,6 +163,8 @@ class Agent(DiskWatch):
                 self.isolation = "none"
         self.workdir = cfg.get("workdir") or None
         self.slot_disk_mb = cfg.get("slot_disk") or None
+        self.image_root = cfg.get("image_root") or None  # an unpacked image: the slots' lower
+        self.image_bash = cfg.get("image_bash") or None  # the host's static bash, if needed
         self.filesystem, filesystem_note = self._choose_filesystem(cfg)
         limits = dict(cfg.get("limits", {}))
         # A slot's /tmp (and /run, /var/tmp, /dev/shm) may hold at most half its memory
@@ -223,6 +225,10 @@ class Agent(DiskWatch):
         """``("overlay", "")`` when each slot gets a layered root of its own, else
         ``("workspace-only", why)``. ``filesystem: overlay`` in the config makes it required."""
         wanted = cfg.get("filesystem") or "auto"
+        if self.image_root:  # slots on an image need a layered root
+            if wanted == "workspace-only":
+                raise RuntimeError("filesystem: workspace-only cannot run an image")
+            wanted = "overlay"
         if wanted == "workspace-only":
             return "workspace-only", "the profile asks for filesystem: workspace-only"
         if self.isolation != "bwrap" or self.uid_base is None:
@@ -243,9 +249,9 @@ class Agent(DiskWatch):
         if not (base == self.host_root or base.startswith(self.host_root + "/")
                 or self.host_root.startswith(base + "/")):
             hidden.append(self.host_root)  # workspace-only layout's dirs (not the slots' base)
-        self.upper_plan = rootplan.UpperPlan(
-            hidden,
-            cfg.get("masked") or [], bool(cfg.get("hide_host_top", False)))
+        self.upper_plan = rootplan.UpperPlan.for_image(self.image_root) if self.image_root \
+            else rootplan.UpperPlan(hidden, cfg.get("masked") or [],
+                                    bool(cfg.get("hide_host_top", False)))
         return "overlay", ""
 
     def handle_status(self, msg):
