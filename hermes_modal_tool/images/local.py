@@ -43,6 +43,11 @@ def uses_image(config: SandboxConfig) -> bool:
     return config.image != DEFAULT_IMAGE or "image" in config.model_fields_set
 
 
+def _present(image: UnpackedImage | None) -> bool:
+    """Still unpacked (``images prune`` may have removed an image no sandbox used)."""
+    return image is not None and os.path.isdir(image.rootfs)
+
+
 class LocalImages:
     """One driver's view of the machine's :class:`ImageCache` (shared with every other).
 
@@ -70,12 +75,12 @@ class LocalImages:
             return None
         image = config.image
         found = self._ready.get(image)
-        if found is not None and os.path.isdir(found.rootfs):
+        if _present(found):
             return found
         lock = self._locks.setdefault(image, asyncio.Lock())
         async with lock:
             found = self._ready.get(image)
-            if found is None or not os.path.isdir(found.rootfs):
+            if not _present(found):
                 def say(line: str) -> None:
                     log.info("profile %r: %s", config.name, line)
 
