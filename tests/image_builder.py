@@ -72,7 +72,8 @@ def _opaque_layer(path: Path) -> None:
 
 
 def build_images(work: Path) -> dict[str, str]:
-    """Build the test images under ``work``; returns image strings by name: ``base``,
+    """Build the test images under ``work``; returns image strings by name: ``plain``
+    (busybox, no config), ``base``,
     ``two`` (OCI layout), ``two_archive`` (OCI archive), ``two_docker`` (docker archive),
     ``busybox_dir`` (``dir:``), ``layout`` (the layout's path)."""
     layout = work / "layout"
@@ -85,6 +86,7 @@ def build_images(work: Path) -> dict[str, str]:
     shutil.rmtree(bundle / "rootfs")
     shutil.copytree(rootfs, bundle / "rootfs", symlinks=True)
     run("umoci", "repack", "--image", f"{layout}:base", str(bundle))
+    run("umoci", "tag", "--image", f"{layout}:base", "plain")  # no Env, no WorkingDir
     run("umoci", "config", "--image", f"{layout}:base", "--config.env", "HMT_IMAGE_VAR=from-image",
         "--config.env", "PATH=/usr/local/bin:/usr/bin:/bin", "--config.env", "HMT_BOTH=image",
         "--config.workingdir", "/srv/app", "--config.user", "1000:1000",
@@ -105,7 +107,7 @@ def build_images(work: Path) -> dict[str, str]:
             tar.add(layout / name, arcname=name)
     docker = work / "two.docker.tar"
     run("skopeo", "copy", "--quiet", f"oci:{layout}:two", f"docker-archive:{docker}:hmt/two:latest")
-    return {"base": f"oci:{layout}:base", "two": f"oci:{layout}:two",
+    return {"base": f"oci:{layout}:base", "plain": f"oci:{layout}:plain", "two": f"oci:{layout}:two",
             "two_archive": f"oci-archive:{archive}:two", "two_docker": f"docker-archive:{docker}",
             "busybox_dir": f"dir:{rootfs}", "layout": str(layout)}
 
