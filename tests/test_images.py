@@ -197,3 +197,14 @@ def test_cli_images_list_and_prune(images, tmp_path):
     pruned = runner.invoke(cli_main, ["images", "prune", "--cache-dir", str(tmp_path)])
     assert "1 image(s) removed, 0 kept" in pruned.output, pruned.output
     assert cache.list() == []
+
+
+async def test_modal_driver_names_a_local_source_it_cannot_use(make_backend, modal_server,
+                                                               tmp_path):
+    """The Modal driver keeps pulling registry references (Image.from_registry); a file on
+    this machine gets a clear error instead of a failed remote build."""
+    image = f"docker-archive:{tmp_path}/image.tar"
+    backend = await make_backend(driver="modal", image=image, start=False)
+    with pytest.raises(ImageError) as err:
+        await backend.start()
+    assert image in str(err.value) and "registry" in str(err.value), str(err.value)

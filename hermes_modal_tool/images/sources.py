@@ -55,6 +55,21 @@ def is_local_source(image: str) -> bool:
     return image.startswith(LOCAL_PREFIXES)
 
 
+def modal_unsupported(image: str, profile: str) -> None:
+    """Raise for a local source on the Modal driver (which pulls from a registry).
+
+    Raises:
+        ImageError: ``image`` is a ``dir:``, ``oci:``, ``oci-archive:`` or ``docker-archive:``
+            source.
+    """
+    if is_local_source(image):
+        raise ImageError(
+            f"profile {profile!r}: image {image!r} is a file on this machine; the Modal driver "
+            "pulls images from a registry: push it there (e.g. 'skopeo copy "
+            f"{image.split(':', 1)[0]}:PATH docker://REGISTRY/NAME:TAG') and use that "
+            "reference, which the local driver runs too")
+
+
 def parse_source(image: str) -> Source:
     """Parse a profile's ``image``.
 
