@@ -154,10 +154,13 @@ def test_registry_reference_without_tools_names_them(tmp_path):
     assert "apt-get install skopeo" in text and "docker-archive:" in text, text
 
 
-def test_registry_pull_failure_says_what_each_tool_said(tmp_path):
+async def test_registry_pull_failure_fails_start_saying_what_each_tool_said(
+        make_backend, cache_dir, monkeypatch):
     """skopeo (and docker, when installed) are tried; with no registry they fail."""
+    monkeypatch.setenv("HERMES_MODAL_TOOL_REGISTRY_IMAGES", "pull")  # conftest: "host"
+    backend = await make_backend(image="registry.invalid/hmt/none:1", start=False)
     with pytest.raises(ImageError) as err:
-        ImageCache(tmp_path).get("registry.invalid/hmt/none:1")
+        await backend.start()
     text = str(err.value)
     assert "'registry.invalid/hmt/none:1' could not be pulled" in text, text
     assert "skopeo: " in text, text

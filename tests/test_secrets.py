@@ -67,9 +67,8 @@ async def test_secret_files_are_hidden_from_slots(make_backend, secrets_dir, sec
 
 
 async def test_secret_value_is_not_in_status_logs_errors_or_command_lines(
-        make_backend, secrets_dir, secret_value, caplog, monkeypatch):
+        make_backend, secrets_dir, secret_value, caplog):
     caplog.set_level(logging.DEBUG)
-    monkeypatch.setenv("HERMES_MODAL_TOOL_REGISTRY_IMAGES", "host")  # no registry here
     backend = await make_backend(secrets=["my-api-key"], image="not-the-default:latest")
     slot = await backend.acquire("t")
     results = await backend.execute_batch([

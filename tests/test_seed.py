@@ -10,16 +10,7 @@ import logging
 import secrets
 import time
 
-import pytest
-
 from hermes_modal_tool import ModalSandboxConfig, ModalToolBackend
-
-
-@pytest.fixture(autouse=True)
-def host_root_for_registry_images(monkeypatch):
-    """The seed's registry images (python:3.11, pytorch) run on the host's root here: there
-    is no registry on this machine (tests/test_images.py runs real images)."""
-    monkeypatch.setenv("HERMES_MODAL_TOOL_REGISTRY_IMAGES", "host")
 
 
 async def test_configuration_and_batched_execution(make_backend):
