@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -211,3 +214,40 @@ async def test_modal_driver_names_a_local_source_it_cannot_use(make_backend, mod
     with pytest.raises(ImageError) as err:
         await backend.start()
     assert image in str(err.value) and "registry" in str(err.value), str(err.value)
+
+
+def test_two_backends_pulling_one_image_at_once_unpack_it_once(images, tmp_path):
+    """Two caches on one directory (two backends, here two threads; the lock is a file
+    lock, so processes too) ask for the same image at the same time."""
+    results, errors = [], []
+
+    def get() -> None:
+        try:
+            results.append(ImageCache(tmp_path).get(images["two_docker"]))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=get) for _ in range(3)]
+    before = ImageCache(tmp_path).counters
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = ImageCache(tmp_path).counters
+    assert not errors, errors
+    assert len({r.rootfs for r in results}) == 1
+    assert after["unpacks"] - before["unpacks"] == 1 and after["hits"] - before["hits"] == 2
+
+
+def test_cli_exec_on_an_image_profile_shows_progress(images, tmp_path, monkeypatch):
+    monkeypatch.setenv("HERMES_MODAL_TOOL_IMAGE_CACHE", str(tmp_path / "cache"))
+    profiles = tmp_path / "profiles.yaml"
+    profiles.write_text(f"profiles:\n  img:\n    image: {images['two_archive']}\n"
+                        "    slots_per_sandbox: 1\n    max_sandboxes: 1\n")
+    proc = subprocess.run([str(Path(sys.executable).with_name("hermes-modal-tool")), "exec",
+                           "--profiles-file", str(profiles), "--profile", "img", "--",
+                           "cat /etc/os-release | head -1; pwd"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == 'PRETTY_NAME="hmt test image"\n/srv/app\n', proc.stdout
+    assert "layer 1/3" in proc.stderr and "layer 3/3" in proc.stderr, proc.stderr

@@ -35,6 +35,19 @@ __all__ = ["InputError", "TOOL_ARGS", "main", "parse_batch"]
 @click.version_option(__version__, prog_name="hermes-modal-tool")
 def main() -> None:
     """Isolated shell workspaces (slots) for agent trajectories, pooled in sandboxes."""
+    show_image_progress()
+
+
+def show_image_progress() -> None:
+    """Pulling and unpacking an image takes a while: its lines (one per layer) go to stderr."""
+    import logging
+
+    images_log = logging.getLogger("hermes_modal_tool.images")
+    if not images_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("hermes-modal-tool: %(message)s"))
+        images_log.addHandler(handler)
+        images_log.setLevel(logging.INFO)
 
 
 # One module per command (group); a new command is one more module and one more line here.

@@ -21,6 +21,7 @@ from .runtime import slot_setup
 from .sources import is_local_source
 
 log = logging.getLogger("hermes_modal_tool")
+progress_log = logging.getLogger("hermes_modal_tool.images")  # a line per pull step and layer
 ENV_REGISTRY = "HERMES_MODAL_TOOL_REGISTRY_IMAGES"
 DEFAULT_IMAGE = SandboxConfig.model_fields["image"].default
 
@@ -82,7 +83,7 @@ class LocalImages:
             found = self._ready.get(image)
             if not _present(found):
                 def say(line: str) -> None:
-                    log.info("profile %r: %s", config.name, line)
+                    progress_log.info("profile %r: %s", config.name, line)
 
                 found = await asyncio.to_thread(self.cache.get, image, say)
                 self._ready[image] = found
@@ -107,4 +108,6 @@ class LocalImages:
         return {"cache_dir": str(self.cache.dir),
                 "size_bytes": sum(int(e.get("size_bytes") or 0) for e in entries),
                 "cached": len(entries), "counters": self.cache.counters,
-                "in_use": {i: u.digest for i, u in self._ready.items()}}
+                "in_use": {i: {"digest": u.digest, "user": (u.config or {}).get("user"),
+                               "workdir": (u.config or {}).get("workdir")}
+                           for i, u in self._ready.items()}}
