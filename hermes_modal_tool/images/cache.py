@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from ..errors import ImageError
 from . import pull as pulling
@@ -246,6 +246,19 @@ class ImageCache:
         tmp.write_text(json.dumps(refs, indent=1))
         os.replace(tmp, self.dir / "refs.json")
 
+    def _remove_leftovers(self) -> None:
+        """Temporary directories of unpacks and pulls that were interrupted (a crash):
+        removed when no process holds their lock."""
+        tmp = self.dir / "tmp"
+        for path in sorted(tmp.iterdir()) if tmp.is_dir() else ():
+            name = path.name
+            lock = "pull.lock" if name.startswith("pull-") else name.split(".", 1)[0] + ".lock"
+            try:
+                with FileLock(str(self.dir / "locks" / lock), timeout=0):
+                    shutil.rmtree(path, ignore_errors=True)
+            except Timeout:
+                continue  # in progress
+
     def hold(self, digest: str) -> Any:
         """A shared lock on the image's use file: prune leaves the image alone until the
         returned file is closed."""
@@ -293,6 +306,7 @@ class ImageCache:
                     os.rename(self.dir / "images" / key, trash)
                     shutil.rmtree(trash, ignore_errors=True)
             removed.append(entry)
+        self._remove_leftovers()
         refs = {r: d for r, d in self._refs().items() if self._entry(d) is not None}
         if refs != self._refs():
             (self.dir / "refs.json").write_text(json.dumps(refs, indent=1))
