@@ -3,9 +3,10 @@ a container run of the same image (podman or docker, where one works here).
 
     .venv/bin/python benchmarks/images.py [--repeats 5] [--slots 10] [--json out.json]
 
-The Debian image (bookworm, minbase + python3) is built once with ``mmdebstrap`` and turned
-into an OCI layout with ``umoci``; it is kept outside the repository
-(``$HMT_BENCH_CACHE``, default ``/var/cache/hermes-modal-tool-bench``), not rebuilt per run.
+The Debian image (bookworm, minbase + python3, see :mod:`hermes_modal_tool.testing.images`)
+is built once with ``mmdebstrap`` and turned into an OCI layout with ``umoci``; it is kept
+outside the repository (``$HMT_BENCH_CACHE``, default ``/var/cache/hermes-modal-tool-bench``),
+not rebuilt per run; the tests' attack suite uses it too.
 Every figure is printed with its peer measured in the same run: the host-root profile
 (same engine, no image) as the floor, the container run as the competitor.
 
@@ -29,49 +30,11 @@ from pathlib import Path
 
 from hermes_modal_tool import SandboxConfig, ToolBackend
 from hermes_modal_tool.images import ImageCache
-
-CACHE = Path(os.environ.get("HMT_BENCH_CACHE", "/var/cache/hermes-modal-tool-bench"))
-SUITE = "bookworm"
+from hermes_modal_tool.testing.images import debian_image
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def run(*argv: str) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed: {(proc.stdout + proc.stderr)[-800:]}")
-
-
-def debian_image() -> str:
-    """The OCI layout of the benchmark's Debian image (built once; see the module doc)."""
-    layout = CACHE / f"debian-{SUITE}-oci"
-    if (layout / "index.json").exists():
-        return f"oci:{layout}:{SUITE}"
-    for tool in ("mmdebstrap", "umoci"):
-        if shutil.which(tool) is None:
-            raise SystemExit(f"{tool} is needed to build the benchmark's Debian image once: "
-                             f"apt-get install {tool}")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=CACHE, prefix="build-"))
-    try:
-        log(f"building the Debian image once (mmdebstrap {SUITE}, minbase + python3) ...")
-        run("mmdebstrap", "--variant=minbase", "--include=python3", "--quiet", SUITE,
-            str(work / "rootfs.tar"))
-        tmp_layout = work / "oci"
-        run("umoci", "init", "--layout", str(tmp_layout))
-        run("umoci", "new", "--image", f"{tmp_layout}:{SUITE}")
-        run("umoci", "unpack", "--image", f"{tmp_layout}:{SUITE}", str(work / "bundle"))
-        run("tar", "-xf", str(work / "rootfs.tar"), "-C", str(work / "bundle/rootfs"))
-        run("umoci", "repack", "--image", f"{tmp_layout}:{SUITE}", str(work / "bundle"))
-        run("umoci", "config", "--image", f"{tmp_layout}:{SUITE}", "--config.env",
-            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "--config.cmd", "bash")
-        os.rename(tmp_layout, layout)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return f"oci:{layout}:{SUITE}"
 
 
 def ms(xs: list[float]) -> str:
@@ -154,7 +117,10 @@ async def main() -> None:
     ap.add_argument("--slots", type=int, default=10)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    image = debian_image()
+    try:
+        image = debian_image(log)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
     out: dict = {"image": image}
     with tempfile.TemporaryDirectory(prefix="hmt-bench-images-") as cache_dir:
         os.environ["HERMES_MODAL_TOOL_IMAGE_CACHE"] = cache_dir

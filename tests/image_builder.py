@@ -50,6 +50,8 @@ def busybox_rootfs(root: Path) -> None:
     (root / "opt/data/a").write_text("a\n")
     (root / "opt/data/sub/b").write_text("b\n")
     (root / "opt/opq/old").write_text("old\n")
+    (root / "opt/opq/deep").mkdir()
+    (root / "opt/opq/deep/old2").write_text("old2\n")
     (root / "opt/keep").write_text("keep\n")
     (root / "srv/app/hello.txt").write_text("hello from the workdir\n")
 
@@ -66,6 +68,8 @@ def _opaque_layer(path: Path) -> None:
             tar.addfile(info, io.BytesIO(data or b""))
 
         add("opt/opq", kind=tarfile.DIRTYPE)
+        add("opt/opq/deep", kind=tarfile.DIRTYPE)  # kept, but not what the lower had in it
+        add("opt/opq/deep/new2", b"new2\n")
         add("opt/opq/new", b"new\n")
         add("opt/opq/.wh..wh..opq")
         add("opt/.wh.keep")

@@ -69,10 +69,11 @@ async def test_whiteouts_opaque_directories_and_replaced_directories(make_backen
     backend = await make_backend(image=images["two"])
     slot = await backend.acquire("t")
     r = await bash(backend, slot, "ls /etc/removed.txt /opt/keep 2>&1; cat /opt/data; "
-                   "ls /opt/opq; ls -A /opt")
+                   "ls /opt/opq /opt/opq/deep; ls -A /opt")
     assert r.output == ("ls: /etc/removed.txt: No such file or directory\n"
                         "ls: /opt/keep: No such file or directory\n"
-                        "a file now\nnew\ndata\nopq\n"), r.output
+                        "a file now\n/opt/opq:\ndeep\nnew\n\n/opt/opq/deep:\nnew2\n"
+                        "data\nopq\n"), r.output
 
 
 def test_own_unpacker_matches_umoci(images, tmp_path):
@@ -85,6 +86,7 @@ def test_own_unpacker_matches_umoci(images, tmp_path):
     assert [e["unpacker"] for e in ImageCache(tmp_path / "b").list()] == ["builtin"]
     expected = tree(Path(by_umoci.rootfs))
     assert "opt/opq/new" in expected and "opt/opq/old" not in expected
+    assert "opt/opq/deep/new2" in expected and "opt/opq/deep/old2" not in expected
     assert tree(Path(by_own.rootfs)) == expected
     assert tree(Path(docker.rootfs)) == expected
     assert by_own.config["env"]["HMT_IMAGE_VAR"] == "from-image"
@@ -101,8 +103,8 @@ async def test_two_profiles_two_images_in_one_backend(make_backend, images, cach
     a = await backend.acquire("a", profile="base")
     b = await backend.acquire("b", profile="two")
     h = await backend.acquire("h", profile="host")
-    ra = await bash(backend, a, "cat /etc/removed.txt; ls /opt/opq")
-    rb = await bash(backend, b, "cat /etc/removed.txt 2>&1; ls /opt/opq")
+    ra = await bash(backend, a, "cat /etc/removed.txt; ls /opt/opq | grep -v deep")
+    rb = await bash(backend, b, "cat /etc/removed.txt 2>&1; ls /opt/opq | grep -v deep")
     rh = await bash(backend, h, "test -x /usr/bin/python3 && echo host")
     assert ra.output == "deleted by the upper layer\nold\n"
     assert rb.output == "cat: can't open '/etc/removed.txt': No such file or directory\nnew\n"

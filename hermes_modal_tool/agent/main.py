@@ -239,7 +239,9 @@ class Agent(DiskWatch):
             why = rootfs.probe(self.state_dir)
         if why:
             if wanted == "overlay":
-                raise RuntimeError("filesystem: overlay is not possible here: %s" % why)
+                raise RuntimeError("%s is not possible here: %s" % (
+                    "an image (the lower layer of a layered root)" if self.image_root
+                    else "filesystem: overlay", why))
             return "workspace-only", why
         self.trash_dir = os.path.join(self.state_dir, "trash")
         for sub in ("fs", "mnt", "trash"):

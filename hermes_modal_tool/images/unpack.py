@@ -142,6 +142,18 @@ def apply_layer(root: str, tar: tarfile.TarFile) -> int:
         ValueError: an entry that would leave the root.
     """
     added: set[str] = set()  # paths this layer made (an opaque marker keeps them)
+    merged: set[str] = set()  # directories of this layer that a lower layer had too
+
+    def clear_lower(directory: str) -> None:
+        """Remove what the lower layers put in ``directory`` (an opaque marker), however
+        deep: a directory this layer merged with a lower one keeps only this layer's."""
+        for name in os.listdir(directory):
+            full = os.path.join(directory, name)
+            if full not in added:
+                _remove(full)
+            elif full in merged:
+                clear_lower(full)
+
     dir_times: list[tuple[str, tarfile.TarInfo]] = []
     count = 0
     for member in tar:
@@ -152,10 +164,8 @@ def apply_layer(root: str, tar: tarfile.TarFile) -> int:
         base = parts[-1]
         parent = resolve_in_root(root, parts[:-1])
         if base == OPAQUE:
-            for name in os.listdir(parent) if os.path.isdir(parent) else ():
-                full = os.path.join(parent, name)
-                if full not in added:
-                    _remove(full)
+            if os.path.isdir(parent):
+                clear_lower(parent)
             continue
         if base.startswith(WHITEOUT):
             _remove(os.path.join(parent, base[len(WHITEOUT):]))
@@ -164,7 +174,9 @@ def apply_layer(root: str, tar: tarfile.TarFile) -> int:
         path = os.path.join(parent, base)
         added.add(path)
         if member.isdir():
-            if not (os.path.isdir(path) and not os.path.islink(path)):
+            if os.path.isdir(path) and not os.path.islink(path):
+                merged.add(path)
+            else:
                 _remove(path)
                 os.mkdir(path, 0o700)
             dir_times.append((path, member))
