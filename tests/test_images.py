@@ -19,9 +19,8 @@ from click.testing import CliRunner
 from image_builder import OS_RELEASE, build_images, missing_tools, tree
 from support import SMALL, bash
 
-from hermes_modal_tool import SandboxConfig, SandboxStartError
+from hermes_modal_tool import ImageError, SandboxConfig, SandboxStartError
 from hermes_modal_tool.cli import main as cli_main
-from hermes_modal_tool.errors import ImageError
 from hermes_modal_tool.images import ImageCache
 
 
