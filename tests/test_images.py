@@ -124,14 +124,15 @@ async def test_a_second_backend_reuses_the_cache(make_backend, images, cache_dir
     assert len(ImageCache(cache_dir).list()) == 1
 
 
-@pytest.mark.parametrize("kind", ["missing", "tag", "corrupt"])
-async def test_missing_or_corrupt_image_fails_start_naming_it(make_backend, images, cache_dir,
-                                                             tmp_path, kind):
+def bad_image(kind: str, images: dict[str, str], tmp_path: Path) -> tuple[str, str]:
+    """An image string that cannot be used, and the cause its error must name."""
     if kind == "missing":
-        image, cause = f"oci:{tmp_path}/no-such-layout", "does not exist"
-    elif kind == "tag":
-        image, cause = f"oci:{images['layout']}:nope", "no tag 'nope'"
-    else:
+        return f"oci:{tmp_path}/no-such-layout", "does not exist"
+    if kind == "tag":
+        return f"oci:{images['layout']}:nope", "no tag 'nope'"
+    if kind == "host-root":
+        return "dir:/", "leave 'image' unset"
+    if kind == "corrupt":
         layout = tmp_path / "broken"
         shutil.copytree(images["layout"], layout)
         blobs = sorted((layout / "blobs/sha256").iterdir(), key=lambda p: -p.stat().st_size)
@@ -139,7 +140,19 @@ async def test_missing_or_corrupt_image_fails_start_naming_it(make_backend, imag
         data[len(data) // 2] ^= 0xFF
         blobs[0].write_bytes(bytes(data))
         shutil.make_archive(str(tmp_path / "broken"), "tar", layout)
-        image, cause = f"oci-archive:{tmp_path}/broken.tar:two", "layer 1/3"
+        return f"oci-archive:{tmp_path}/broken.tar:two", "layer 1/3"
+    # A docker archive's uncompressed layers: checked against the config's diff_ids.
+    data = Path(images["two_docker"].split(":", 1)[1]).read_bytes()
+    assert data.count(b"hello from the workdir") == 1
+    (tmp_path / "broken.docker.tar").write_bytes(
+        data.replace(b"hello from the workdir", b"hello from the w0rkdir"))
+    return f"docker-archive:{tmp_path}/broken.docker.tar", "is corrupt"
+
+
+@pytest.mark.parametrize("kind", ["missing", "tag", "host-root", "corrupt", "corrupt-docker"])
+async def test_missing_or_corrupt_image_fails_start_naming_it(make_backend, images, cache_dir,
+                                                             tmp_path, kind):
+    image, cause = bad_image(kind, images, tmp_path)
     backend = await make_backend(image=image, start=False)
     with pytest.raises(SandboxStartError) as err:
         await backend.start()

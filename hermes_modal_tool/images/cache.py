@@ -141,6 +141,11 @@ class ImageCache:
         if source.kind == "dir":
             if not os.path.isdir(source.path):
                 raise ImageError(f"image {image!r}: {source.path} is not a directory")
+            if os.path.realpath(source.path) == "/":
+                raise ImageError(f"image {image!r} is the host's root, which an image shows "
+                                 "unfiltered: leave 'image' unset to run slots on the host's "
+                                 "root (its root-only files, home directories and the "
+                                 "engine's state hidden)")
             return UnpackedImage(image, source.path, None, image_config({}))
         self._dirs()
         if source.kind == "registry":

@@ -129,6 +129,7 @@ class Layer:
 
     def __post_init__(self) -> None:
         self.opener: Any = None
+        self.diff_id: str | None = None  # the config's digest of the uncompressed tar
 
     def open(self) -> _Hashing:
         return _Hashing(self.opener())
@@ -254,10 +255,19 @@ def open_oci(source: Source) -> ImageSource:
             layer = Layer(d.get("digest", ""), d.get("mediaType", ""), d.get("size"))
             layer.opener = (lambda name: lambda: store.open(name))(store.blob(layer.digest))
             layers.append(layer)
+        _set_diff_ids(layers, config)
         return ImageSource(source, digest, config.get("config") or {}, layers, [store])
     except BaseException:
         store.close()
         raise
+
+
+def _set_diff_ids(layers: list[Layer], config: dict[str, Any]) -> None:
+    """Each layer's uncompressed digest from the config (checked while unpacking)."""
+    diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
+    if len(diff_ids) == len(layers):
+        for layer, diff_id in zip(layers, diff_ids, strict=True):
+            layer.diff_id = diff_id
 
 
 def open_docker_archive(source: Source) -> ImageSource:
@@ -297,6 +307,7 @@ def open_docker_archive(source: Source) -> ImageSource:
                 layer.digest = name.replace("blobs/", "", 1).replace("/", ":", 1)
             layer.opener = (lambda n: lambda: store.open(n))(name)
             layers.append(layer)
+        _set_diff_ids(layers, config)
         return ImageSource(source, digest, config.get("config") or {}, layers, [store])
     except (KeyError, ValueError, TypeError) as exc:
         store.close()

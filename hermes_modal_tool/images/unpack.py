@@ -27,7 +27,7 @@ import tarfile
 from collections.abc import Callable
 
 from ..errors import ImageError
-from .sources import ImageSource, Layer
+from .sources import ImageSource, Layer, _Hashing
 
 log = logging.getLogger("hermes_modal_tool")
 
@@ -225,8 +225,10 @@ def unpack_layers(image: ImageSource, root: str,
         what = f"image {image.source.image!r}: layer {i}/{n} ({layer.digest})"
         try:
             fh = layer.open()
-            with tarfile.open(fileobj=_decompressed(fh, layer.media_type), mode="r|") as tar:
+            plain = _Hashing(_decompressed(fh, layer.media_type))
+            with tarfile.open(fileobj=plain, mode="r|") as tar:
                 apply_layer(root, tar)
+            got_plain = plain.drain()
             got = fh.drain()
         except ImageError as exc:
             raise ImageError(f"{what}: {exc}") from exc
@@ -234,3 +236,6 @@ def unpack_layers(image: ImageSource, root: str,
             raise ImageError(f"{what} could not be unpacked: {exc}") from exc
         if layer.verify and got != layer.digest:
             raise ImageError(f"{what} is corrupt: its content hashes to {got}")
+        if layer.diff_id and got_plain != layer.diff_id:
+            raise ImageError(f"{what} is corrupt: its tar hashes to {got_plain}, the image "
+                             f"config says {layer.diff_id}")
