@@ -71,6 +71,10 @@ class IsolationUnavailableError(SandboxStartError):
     """Raised when bubblewrap or user namespaces are unavailable on this machine."""
 
 
+class ImageError(SandboxStartError):
+    """Raised when a profile's image cannot be read, pulled or unpacked (names the image)."""
+
+
 class CredentialsError(SandboxStartError):
     """Raised when the Modal driver finds no credentials or Modal rejects them.
 

@@ -16,6 +16,23 @@ case "$level" in
   agents) spec=".[agents-dev]"; venv=.venv-agents ;;
   *) echo "setup: unknown level '$level' (use core, dev or agents)" >&2; exit 2 ;;
 esac
+# The image tests (tests/test_images.py) build images with umoci and skopeo from Debian's
+# busybox-static, and a Debian image with mmdebstrap (built once, outside the repo: see
+# hermes_modal_tool/testing/images.py); slots on an image without bash run the host's
+# bash-static. Installed when missing and running as root on Debian/Ubuntu (apt-get
+# update once, first).
+if [ "$level" = dev ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=""
+  for pair in skopeo:skopeo umoci:umoci busybox:busybox-static bash-static:bash-static \
+      mmdebstrap:mmdebstrap; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || missing="$missing ${pair#*:}"
+  done
+  if [ -n "$missing" ]; then
+    echo "setup: installing$missing (apt-get, for the image tests)" >&2
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null
+  fi
+fi
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   for cand in python3.11 python3.12 python3.13 python3.10 python3; do

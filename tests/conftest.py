@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -20,6 +21,11 @@ import pytest
 from support import SMALL, Leftovers, describe
 
 from hermes_modal_tool import SandboxConfig, Slot, ToolBackend
+
+# No registry on the test machine: profiles naming a registry image (the README's and the
+# seed's python:3.11, pytorch ...) keep the host's root filesystem, as before images. The
+# image tests (test_images.py) use local images, and set "pull" where they test pulling.
+os.environ.setdefault("HERMES_MODAL_TOOL_REGISTRY_IMAGES", "host")
 
 # The OpenAI Agents SDK tests need `openai-agents`, which cannot share an environment with
 # `hermes-agent` (openai 3 vs its openai 2 pin): scripts/test.sh runs them in .venv-agents;

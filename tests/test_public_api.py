@@ -26,6 +26,7 @@ EXPECTED_ALL = [
     "CredentialsError",
     "ExecutionResult",
     "HermesModalToolError",
+    "ImageError",
     "IsolationUnavailableError",
     "ModalSandboxConfig",
     "ModalToolBackend",

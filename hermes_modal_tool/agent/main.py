@@ -169,6 +169,8 @@ class Agent(DiskWatch):
         if cfg.get("heartbeat"):
             self.heartbeat = Heartbeat(self.loop, cfg["heartbeat"]["file"], cfg["heartbeat"]["every"])
         self.slot_disk_mb = cfg.get("slot_disk") or None
+        self.image_root = cfg.get("image_root") or None  # an unpacked image: the slots' lower
+        self.image_bash = cfg.get("image_bash") or None  # the host's static bash, if needed
         self.filesystem, filesystem_note = self._choose_filesystem(cfg)
         limits = dict(cfg.get("limits", {}))
         self.tmpfs_mb = caps.tmpfs_mb_for(limits)
@@ -223,6 +225,10 @@ class Agent(DiskWatch):
         """``("overlay", "")`` when each slot gets a layered root of its own, else
         ``("workspace-only", why)``. ``filesystem: overlay`` in the config makes it required."""
         wanted = cfg.get("filesystem") or "auto"
+        if self.image_root:  # slots on an image need a layered root
+            if wanted == "workspace-only":
+                raise RuntimeError("filesystem: workspace-only cannot run an image")
+            wanted = "overlay"
         if wanted == "workspace-only":
             return "workspace-only", "the profile asks for filesystem: workspace-only"
         if self.isolation != "bwrap" or self.uid_base is None:
@@ -233,7 +239,9 @@ class Agent(DiskWatch):
             why = rootfs.probe(self.state_dir)
         if why:
             if wanted == "overlay":
-                raise RuntimeError("filesystem: overlay is not possible here: %s" % why)
+                raise RuntimeError("%s is not possible here: %s" % (
+                    "an image (the lower layer of a layered root)" if self.image_root
+                    else "filesystem: overlay", why))
             return "workspace-only", why
         self.trash_dir = os.path.join(self.state_dir, "trash")
         for sub in ("fs", "mnt", "trash"):
@@ -243,9 +251,9 @@ class Agent(DiskWatch):
         if not (base == self.host_root or base.startswith(self.host_root + "/")
                 or self.host_root.startswith(base + "/")):
             hidden.append(self.host_root)  # workspace-only layout's dirs (not the slots' base)
-        self.upper_plan = rootplan.UpperPlan(
-            hidden,
-            cfg.get("masked") or [], bool(cfg.get("hide_host_top", False)))
+        self.upper_plan = rootplan.UpperPlan.for_image(self.image_root) if self.image_root \
+            else rootplan.UpperPlan(hidden, cfg.get("masked") or [],
+                                    bool(cfg.get("hide_host_top", False)))
         return "overlay", ""
 
     def handle_status(self, msg):

@@ -329,7 +329,7 @@ class SlotRoot:
                     for i, mount in enumerate(mounts):
                         target = os.path.join(self.lower, str(i))
                         os.makedirs(target, mode=0o700, exist_ok=True)
-                        mount_idmapped(mount, target, ns)
+                        mount_idmapped(self.plan.source_of(mount), target, ns)
                         lowers.append(target)
                     self._lowers = lowers
                 finally:

@@ -26,6 +26,18 @@ APT_CONF = ("etc/apt/apt.conf.d/00hermes-modal-tool",
             b'APT::Sandbox::User "root";\n')
 
 
+#: Where a slot on an image without bash finds the host's static bash (bound read-only).
+IMAGE_BASH = "/run/hmt-bash"
+
+
+def shell_argv(image_bash):
+    """``(bwrap arguments, shell argv)`` of a slot's bash: the image's own (``bash`` on its
+    PATH), or the host's static bash ``image_bash`` bound in at :data:`IMAGE_BASH`."""
+    if not image_bash:
+        return [], ["bash", "--noprofile", "--norc"]
+    return ["--ro-bind", image_bash, IMAGE_BASH], [IMAGE_BASH, "--noprofile", "--norc"]
+
+
 def hidden_paths(hide, masked, nonstandard_top=True):
     """The paths each upper whites out: agent state and secrets under a visible top-level
     directory, root-only host files (``masked``) and, when the root is the host's
@@ -88,13 +100,30 @@ class UpperPlan:
     (see :func:`separate_mounts`); every entry goes into the layer it falls in.
     """
 
-    def __init__(self, hide, masked, nonstandard_top=True):
+    def __init__(self, hide, masked, nonstandard_top=True, image_root=None):
+        #: The lower's host path ("" for the host's root); an image is used as it is: none
+        #: of the host's hiding applies to it (see :meth:`for_image`).
+        self.root = image_root or ""
+        if image_root:
+            self.whiteouts, self.empty, self.mounts = [], [], ["/"]
+            return
         self.whiteouts = hidden_paths(hide, masked, nonstandard_top) + pep668_markers()
         self.empty = sorted((p, m) for p, m in EMPTY_DIRS.items() if os.path.isdir(p))
         hidden = set(self.whiteouts)
         skip = set(EMPTY_TOP) | {"proc", "sys", "dev"}
         self.mounts = ["/"] + separate_mounts(
             lambda name: name not in skip and "/" + name not in hidden)
+
+    @classmethod
+    def for_image(cls, image_root):
+        """The plan for slots on an unpacked image at ``image_root``: the image as it is
+        (its own ``/root``, ``/tmp``, no host files to hide), plus apt's one-uid setting
+        and the workspace and working directories."""
+        return cls((), (), False, image_root)
+
+    def source_of(self, mount):
+        """The host path of layer root ``mount`` (what its idmapped lower clones)."""
+        return self.root + mount if self.root else mount
 
     def layer_of(self, path):
         """``(mount, path relative to it)`` for an absolute path of the slot's view."""
@@ -110,7 +139,8 @@ class UpperPlan:
         root does not have them."""
         for mount, upper in uppers.items():
             os.chown(upper, uid, gid)
-            os.chmod(upper, 0o755 if mount == "/" else stat.S_IMODE(os.stat(mount).st_mode))
+            os.chmod(upper, 0o755 if mount == "/" else
+                     stat.S_IMODE(os.stat(self.source_of(mount)).st_mode))
         for name, mode in self.empty:
             path = self._make(uppers, name, uid, gid)
             os.mkdir(path)
@@ -120,7 +150,7 @@ class UpperPlan:
         for name in self.whiteouts:
             os.mknod(self._make(uppers, name, uid, gid), stat.S_IFCHR | 0o000, os.makedev(0, 0))
         conf, text = APT_CONF
-        if os.path.isdir("/etc/apt/apt.conf.d"):
+        if os.path.isdir(self.root + "/etc/apt/apt.conf.d"):
             path = self._make(uppers, "/" + conf, uid, gid)
             with open(path, "wb") as fh:
                 fh.write(text)
@@ -136,8 +166,7 @@ class UpperPlan:
         parent = self._parents(uppers[mount], mount, os.path.dirname(rel), uid, gid)
         return os.path.join(parent, os.path.basename(rel))
 
-    @staticmethod
-    def _parents(upper, mount, path, uid, gid, create_mode=None):
+    def _parents(self, upper, mount, path, uid, gid, create_mode=None):
         """Make ``path`` (relative to the layer's ``mount``) in ``upper`` with the lower's
         modes; directories missing below get ``create_mode`` (owned by the slot's root)."""
         cur = upper
@@ -145,8 +174,10 @@ class UpperPlan:
             nxt = os.path.join(cur, part)
             if not os.path.isdir(nxt):
                 lower = os.path.join(mount, os.path.relpath(nxt, upper))
-                if any(lower == p or lower.startswith(p + "/") for p in EMPTY_DIRS):
+                if not self.root and any(lower == p or lower.startswith(p + "/")
+                                         for p in EMPTY_DIRS):
                     lower = "/nonexistent-in-the-slot"  # below an emptied directory
+                lower = self.source_of(lower)
                 try:
                     st = os.lstat(lower)
                     mode, owner, group = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid

