@@ -63,7 +63,11 @@ class SandboxConfig(BaseModel):
     name: str = Field("default", min_length=1, description="Profile name.")
     app_name: str | None = Field(None, description="Full app name; see with_app_name().")
     driver: DriverName = Field("local", description="'local' (bubblewrap) or 'modal'.")
-    image: str = Field("python:3.11", description="Container image (Modal); local uses the host's root filesystem.")
+    image: str = Field(
+        "python:3.11", description="The slots' image: a registry reference (Modal builds it; the local "
+                                   "driver pulls it when the profile sets it), or locally dir:, oci:, "
+                                   "oci-archive:, docker-archive:. Left at the default, local slots use "
+                                   "the host's root filesystem.")
     gpu: str | None = Field(None, description="GPU type for Modal (T4, A10G, A100, H100, ...).")
     cpu: float = Field(1.0, gt=0, le=512, description="CPU cores per sandbox.")
     memory: int = Field(2048, gt=0, le=4 * 1024 * 1024, description="Memory per sandbox, MiB.")
