@@ -243,12 +243,18 @@ class Cgroups:
             _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
         return not any(os.path.isdir(base) for base in self._bases.values())
 
+    def pids_events_file(self, slot):
+        """The slot's ``pids.events`` file (None without cgroups)."""
+        if self.mode == "rlimit":
+            return None
+        d = self._dirs(slot)
+        return os.path.join(d["pids"] if self.mode == "cgroup-v1" else d["unified"], "pids.events")
+
     def pids_limit_events(self, slot):
         """How many times a fork in the slot failed at its pids limit (``pids.events`` ``max``)."""
-        if self.mode == "rlimit":
+        path = self.pids_events_file(slot)
+        if path is None:
             return 0
-        d = self._dirs(slot)
-        path = os.path.join(d["pids"] if self.mode == "cgroup-v1" else d["unified"], "pids.events")
         try:
             with open(path) as fh:
                 for line in fh:
