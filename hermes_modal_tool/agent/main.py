@@ -26,8 +26,10 @@ from .shell import SPAWN_THREADS
 
 #: Idle slots whose shells are started before their first call, in the order the host
 #: hands fresh slots out (lowest index first), so that a first command finds a ready
-#: shell; only while no command waits for admission or for a shell.
-SPARE_SHELLS = 4
+#: shell; only while no command waits for admission or for a shell. As many as the host
+#: chooses among (``pool.PICK_WINDOW``): after them it reuses slots whose shells the
+#: agent started again after their reset.
+SPARE_SHELLS = 8
 
 
 class Agent(Setup, Calls, DiskWatch):
@@ -222,6 +224,7 @@ class Agent(Setup, Calls, DiskWatch):
             if then is not None:
                 then(failed)
 
+        slot.prepare_dirs()  # its control directory (once; cheap)
         slot.shell.ensure_ready().add_done_callback(started)
         return True
 
