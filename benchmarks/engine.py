@@ -9,7 +9,12 @@ c. ``acquire`` + ``release(reset_workspace=True)`` (with and without one command
 d. cold start: a pool with ``min_sandboxes=1`` to ready, an extra sandbox started by
    pool growth, and the first command in a fresh slot (the bwrap spawn);
 e. idle memory per live slot (``--slots``, default 1000): MemAvailable delta and the
-   summed PSS of every engine process, divided by the number of slots.
+   summed PSS of every engine process, divided by the number of slots;
+f. shells per second: the first ``true`` in 1,000 fresh slots (10 sandboxes x 100; every
+   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows.
+
+Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
+persistent bashes answering trivial commands in rounds (b), bwrap starts per second (f).
 
 Usage::
 
@@ -45,13 +50,14 @@ from typing import Any
 from hermes_modal_tool import SandboxConfig, ToolBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
+from _floors import bwrap_true_rate, raw_bash_echo, raw_bash_throughput  # noqa: E402
 from _proc import become_subreaper, descendants, meminfo, proc_stats, quantile  # noqa: E402
 
 perf = time.perf_counter
 TICK = os.sysconf("SC_CLK_TCK")
 
 TARGETS = {
-    "latency_median_ms": 0.5,
+    "latency_median_ms": 0.4,
     "speedup_vs_swerex": 100.0,
     "calls_per_s": 10_000.0,
     "acquire_release_p50_ms": 5.0,
@@ -530,6 +536,10 @@ BIG_STATE = ("mkdir -p /usr/share/hmt-bulk && cd /usr/share/hmt-bulk && for d in
              "du -sm . | cut -f1")
 
 
+#: Seconds between the paced acquire + command + release cycles of section c.
+PACE_S = 0.05
+
+
 async def acquire_release(n: int, warm: int) -> dict[str, Any]:
     b = await started(cfg())
     try:
@@ -569,7 +579,13 @@ async def acquire_release(n: int, warm: int) -> dict[str, Any]:
             await bare()
             await with_cmd()
         xs = [await bare() for _ in range(n)]
+        c0, m0 = cpu_by_kind(), busy_cpu_s()
         ys = [await with_cmd() for _ in range(n)]
+        c1, m1 = cpu_by_kind(), busy_cpu_s()
+        paced = []  # one every PACE_S: the machine keeps up with the background work
+        for _ in range(n // 2):
+            paced.append(await with_cmd())
+            await asyncio.sleep(PACE_S)
         zs = await after_big(3 if n < 100 else 8)
         filesystem = b.get_status()["pools"][PROFILE]["filesystem"]
     finally:
@@ -577,6 +593,10 @@ async def acquire_release(n: int, warm: int) -> dict[str, Any]:
     return {"filesystem": filesystem, "after_200mb": summary_ms(zs),
             "acquire_release": summary_ms(xs),
             "acquire_cmd_release": summary_ms([y[0] for y in ys]),
+            "acquire_cmd_release_paced": summary_ms([y[0] for y in paced]),
+            "paced_parts_ms": [summary_ms([y[i] for y in paced])["median"] for i in (1, 2, 3)],
+            "cpu_ms_per_cycle": {k: (c1[k] - c0.get(k, 0.0)) / n * 1e3 for k in c1},
+            "machine_busy_ms_per_cycle": (m1 - m0) / n * 1e3,
             "part_acquire": summary_ms([y[1] for y in ys]),
             "part_first_cmd": summary_ms([y[2] for y in ys]),
             "part_release_reset": summary_ms([y[3] for y in ys])}
@@ -645,6 +665,26 @@ def start_floors(n: int) -> dict[str, Any]:
             xs.append(perf() - t0)
         out[label] = summary_ms(xs)
     return out
+
+
+# -- f. shells per second ---------------------------------------------------------------------
+async def fresh_shells(slots: int, per_sandbox: int) -> dict[str, Any]:
+    """The first ``true`` in ``slots`` fresh slots at once (each starts its shell)."""
+    sandboxes = -(-slots // per_sandbox)
+    b = await started(cfg(slots_per_sandbox=per_sandbox, min_sandboxes=sandboxes,
+                          max_sandboxes=sandboxes, scale_down_idle=False))
+    try:
+        ss = [await b.acquire(f"f{i}") for i in range(slots)]
+        t0 = perf()
+        rs = await b.execute_batch([(s, "bash", {"command": "true"}) for s in ss])
+        wall = perf() - t0
+        failed = sum(not r.success for r in rs)
+        for s in ss:
+            await b.release(s)
+    finally:
+        await b.stop()
+    return {"slots": slots, "sandboxes": sandboxes, "wall_s": wall, "shells_per_s": slots / wall,
+            "failed": failed}
 
 
 # -- e. memory ------------------------------------------------------------------------------
@@ -730,7 +770,7 @@ def render(res: dict[str, Any], quick: bool) -> str:
             s = None
         add("a. warm `echo hi` round trip, one slot — median / p90 / p99")
         add(row("", "value", "target", "status"))
-        add(row(f"   ours (execute_batch, n={o['n']})", fmt_lat(o), "<= 0.5 ms",
+        add(row(f"   ours (execute_batch, n={o['n']})", fmt_lat(o), "<= 0.4 ms",
                 verdict(o["median"] <= TARGETS["latency_median_ms"])))
         add(f"      (agent-side part (agent + bash): {fmt_ms(o['agent_side_median_ms'])}; host + pipes: "
             f"{fmt_ms(o['median'] - o['agent_side_median_ms'])}; min {fmt_ms(o['min'])})")
@@ -738,6 +778,9 @@ def render(res: dict[str, Any], quick: bool) -> str:
             add(row(f"   SWE-ReX LocalRuntime session (n={s['n']})", fmt_lat(s), "", ""))
             add(f"      (session create: {fmt_ms(s['session_create_ms'])})")
         add(row(f"   subprocess.run(bash -c) (n={p['n']})", fmt_lat(p), "", ""))
+        if lat.get("raw_bash"):
+            add(row(f"   floor: raw persistent bash over pipes (n={lat['raw_bash']['n']})",
+                    fmt_lat(lat["raw_bash"]), "", ""))
         if s:
             sp = s["median"] / o["median"]
             add(row("   speedup ours vs SWE-ReX (median)", f"{sp:,.0f}x", ">= 100x",
@@ -760,6 +803,11 @@ def render(res: dict[str, Any], quick: bool) -> str:
                 f"{res['machine']['nproc'] / max(sum(cpu.values()), 1e-9) * 1e6:,.0f} calls/s)")
             add(row(f"   ours, the same as one batch of {t['calls']} ({tag})", f"{t['big_batch_calls_per_s']:,.0f}",
                     ">= 10,000", verdict(t["big_batch_calls_per_s"] >= TARGETS["calls_per_s"])))
+        if tp.get("raw_bash"):
+            rb = tp["raw_bash"]
+            rcpu = rb["cpu_us_per_call"]
+            add(row(f"   floor: {rb['shells']} raw persistent bashes, rounds", f"{rb['calls_per_s']:,.0f}", "", ""))
+            add(f"      (CPU per call: bash {rcpu['bash']:.0f} µs, driver {rcpu['driver']:.0f} µs)")
         st = tp["subprocess_threads"]
         add(row(f"   subprocess.run, thread pool of {st['workers']} ({st['calls']})", f"{st['calls_per_s']:,.0f}", "", ""))
         sa = tp["subprocess_asyncio"]
@@ -794,8 +842,27 @@ def render(res: dict[str, Any], quick: bool) -> str:
         add(row("   acquire + 1 command + release", f"{fmt_ms(c['median'])} / {fmt_ms(c['p99'])}",
                 "(p50 <= 5 ms)", verdict(c["median"] <= TARGETS["acquire_release_p50_ms"])))
         add(f"      parts p50: acquire {fmt_ms(ar['part_acquire']['median'])}, first command "
-            f"{fmt_ms(ar['part_first_cmd']['median'])} (spawns the shell), release+reset "
+            f"{fmt_ms(ar['part_first_cmd']['median'])} (its shell was started ahead), release+reset "
             f"{fmt_ms(ar['part_release_reset']['median'])}")
+        cyc = ar.get("cpu_ms_per_cycle", {})
+        if cyc:
+            tot = sum(cyc.values())
+            busy = ar["machine_busy_ms_per_cycle"]
+            add("      back to back, CPU per cycle of live processes: " + ", ".join(
+                f"{k} {v:.1f} ms" for k, v in sorted(cyc.items()) if v >= 0.05)
+                + f", total {tot:.1f} ms; the whole machine's busy time per cycle {busy:.1f} ms (with the "
+                f"shells killed at reset and other users) => at most "
+                f"{res['machine']['nproc'] / max(busy, 1e-9) * 1e3:,.0f} cycles/s on {res['machine']['nproc']} "
+                "cores: the slot's next shell and root layer are made in the background, and back to back "
+                "that work falls behind")
+        if "acquire_cmd_release_paced" in ar:
+            cp = ar["acquire_cmd_release_paced"]
+            pa = ar["paced_parts_ms"]
+            add(row(f"   the same, one cycle every {PACE_S * 1e3:.0f} ms (n={cp['n']})",
+                    f"{fmt_ms(cp['median'])} / {fmt_ms(cp['p99'])}", "p50 <= 5 ms",
+                    verdict(cp["median"] <= TARGETS["acquire_release_p50_ms"])))
+            add(f"      parts p50: acquire {fmt_ms(pa[0])}, first command {fmt_ms(pa[1])}, "
+                f"release+reset {fmt_ms(pa[2])}")
         if "after_200mb" in ar:
             z = ar["after_200mb"]
             add(row(f"   release + acquire after 200 MB / 5,000 files (n={z['n']})",
@@ -846,6 +913,16 @@ def render(res: dict[str, Any], quick: bool) -> str:
             f"memory lazily; back within ~20 s)")
         add(row("   all slots live", f"{mm['live_slots']}/{mm['slots']}", f"{mm['slots']}",
                 verdict(mm["live_slots"] == mm["slots"])))
+        add("")
+    if "fresh" in res:
+        fr = res["fresh"]
+        fl = fr["floor"]
+        add(f"f. shells per second — the first `true` in {fr['slots']} fresh slots ({fr['sandboxes']} sandboxes)")
+        add(row("", "shells/s", "", ""))
+        add(row(f"   ours: {fr['slots']} first commands in one batch", f"{fr['shells_per_s']:,.0f}", "", ""))
+        add(f"      ({fr['wall_s']:.2f} s; {fr['failed']} failed)")
+        add(row(f"   floor: bwrap ... true, {fl['parallel']} at a time (n={fl['n']})", f"{fl['per_s']:,.0f}", "", ""))
+        add(f"      (ours / floor: {fr['shells_per_s'] / max(fl['per_s'], 1e-9):.2f}; floor failures: {fl['failed']})")
         add("")
     cl = res.get("cleanup", {})
     add(f"cleanup: {'CLEAN' if cl.get('clean') else 'LEFTOVERS'} — ours: live bwrap {cl.get('our_bwrap_live')}, "
@@ -987,6 +1064,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lat["swerex"] = timed("a. swe-rex", lambda: asyncio.run(latency_swerex(10 if q else 60, 3 if q else 5)),
                                   optional=True)
         lat["subprocess"] = timed("a. subprocess", lambda: latency_subprocess(100 if q else 500, 10 if q else 30))
+        lat["raw_bash"] = summary_ms(timed("a. floor: raw bash", lambda: raw_bash_echo(
+            500 if q else 5000, 100)))
         res["latency"] = lat
     if "b" in sections:
         tp: dict[str, Any] = {"ours": []}
@@ -994,6 +1073,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for sbx in (1, 2):
             tp["ours"].append(timed(f"b. ours {sbx} sandbox(es)",
                                     lambda sbx=sbx: asyncio.run(throughput_ours(n_slots, n_cmds, sbx))))
+        tp["raw_bash"] = timed("b. floor: raw bash", lambda: raw_bash_throughput(n_slots, n_cmds))
         n_sub = 500 if q else 3000
         tp["subprocess_threads"] = timed("b. subprocess threads", lambda: throughput_subprocess_threads(n_sub, 16))
         tp["subprocess_asyncio"] = timed("b. subprocess asyncio",
@@ -1014,6 +1094,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "e" in sections:
         slots = args.slots if args.slots is not None else (100 if q else 1000)
         res["memory"] = timed(f"e. memory {slots} slots", lambda: asyncio.run(memory(slots, args.per_sandbox)))
+    if "f" in sections:
+        from hermes_modal_tool.drivers.local import find_bwrap
+        n_fresh = 200 if q else 1000
+        res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(n_fresh, 100)))
+        res["fresh"]["floor"] = timed("f. floor: bwrap true", lambda: bwrap_true_rate(
+            find_bwrap(), 100 if q else 400, os.cpu_count() or 2))
     res["cleanup"] = wait_clean()
     res["wall_s"] = perf() - t_start
     res["cpu_log"] = CPU_LOG
@@ -1027,7 +1113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small, fast run (~15 s)")
     ap.add_argument("--slots", type=int, default=None, help="slots for the memory test (default 1000; 100 with --quick)")
     ap.add_argument("--per-sandbox", type=int, default=100, help="slots per sandbox for the memory test")
-    ap.add_argument("--sections", default="a,b,c,d,e", help="which sections to run (default a,b,c,d,e)")
+    ap.add_argument("--sections", default="a,b,c,d,e,f", help="which sections to run (default a,b,c,d,e,f)")
     ap.add_argument("--no-swerex", action="store_true", help="skip the SWE-ReX comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",

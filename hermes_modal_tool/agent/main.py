@@ -365,6 +365,7 @@ def main():
     os.set_inheritable(in_fd, False)
     os.set_inheritable(out_fd, False)
     os.umask(0o022)
+    sys.setswitchinterval(0.0005)  # the loop waits less for worker threads (spawns, layers)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
