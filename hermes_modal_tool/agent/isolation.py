@@ -245,10 +245,8 @@ class Cgroups:
 
     def pids_events_file(self, slot):
         """The slot's ``pids.events`` file (None without cgroups)."""
-        if self.mode == "rlimit":
-            return None
-        d = self._dirs(slot)
-        return os.path.join(d["pids"] if self.mode == "cgroup-v1" else d["unified"], "pids.events")
+        d = {} if self.mode == "rlimit" else self._dirs(slot)
+        return os.path.join(d.get("pids") or d["unified"], "pids.events") if d else None
 
     def pids_limit_events(self, slot):
         """How many times a fork in the slot failed at its pids limit (``pids.events`` ``max``)."""
