@@ -9,7 +9,12 @@ c. ``acquire`` + ``release(reset_workspace=True)`` (with and without one command
 d. cold start: a pool with ``min_sandboxes=1`` to ready, an extra sandbox started by
    pool growth, and the first command in a fresh slot (the bwrap spawn);
 e. idle memory per live slot (``--slots``, default 1000): MemAvailable delta and the
-   summed PSS of every engine process, divided by the number of slots.
+   summed PSS of every engine process, divided by the number of slots;
+f. shells per second: the first ``true`` in 1,000 fresh slots (10 sandboxes x 100; every
+   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows.
+
+Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
+persistent bashes answering trivial commands in rounds (b), bwrap starts per second (f).
 
 Usage::
 
@@ -39,49 +44,30 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hermes_modal_tool import SandboxConfig, ToolBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
+from _engine_render import render, summary_ms  # noqa: E402
+from _floors import bwrap_true_rate, raw_bash_echo, raw_bash_throughput  # noqa: E402
+from _peers import (  # noqa: E402 - the peers we compare with (run_all.py uses them from here)
+    _swerex_imports,
+    latency_subprocess,
+    latency_swerex,
+    throughput_subprocess_asyncio,
+    throughput_subprocess_threads,
+    throughput_swerex_gather,
+    throughput_swerex_threads,
+)
 from _proc import become_subreaper, descendants, meminfo, proc_stats, quantile  # noqa: E402
 
 perf = time.perf_counter
 TICK = os.sysconf("SC_CLK_TCK")
 
-TARGETS = {
-    "latency_median_ms": 0.5,
-    "speedup_vs_swerex": 100.0,
-    "calls_per_s": 10_000.0,
-    "acquire_release_p50_ms": 5.0,
-    "sandbox_start_ms": 100.0,
-    "mib_per_slot": 5.0,
-}
 
 
 # -- small helpers -------------------------------------------------------------------
-def summary_ms(xs: Sequence[float]) -> dict[str, float]:
-    """Seconds in, a dict of milliseconds out."""
-    return {"n": len(xs), "median": quantile(xs, 0.5) * 1e3, "p90": quantile(xs, 0.9) * 1e3,
-            "p99": quantile(xs, 0.99) * 1e3, "min": min(xs) * 1e3, "max": max(xs) * 1e3,
-            "mean": sum(xs) / len(xs) * 1e3}
-
-
-def fmt_ms(v: float) -> str:
-    if v != v:
-        return "n/a"
-    if v < 1:
-        return f"{v * 1000:.0f} µs"
-    if v < 100:
-        return f"{v:.2f} ms"
-    return f"{v:.0f} ms"
-
-
-def fmt_lat(s: dict[str, float]) -> str:
-    return f"{fmt_ms(s['median'])} / {fmt_ms(s['p90'])} / {fmt_ms(s['p99'])}"
-
-
 def proc_kind(pid: int) -> str:
     """agent / bwrap (outer) / bwrap-init (pid 1 of a slot) / bash / other."""
     try:
@@ -336,57 +322,6 @@ async def latency_ours(n: int, warm: int) -> dict[str, Any]:
     return out
 
 
-def _swerex_imports():
-    from swerex.runtime.abstract import (
-        BashAction,
-        CloseBashSessionRequest,
-        CreateBashSessionRequest,
-    )
-    from swerex.runtime.local import LocalRuntime
-    return LocalRuntime, CreateBashSessionRequest, BashAction, CloseBashSessionRequest
-
-
-async def latency_swerex(n: int, warm: int) -> dict[str, Any]:
-    LocalRuntime, Create, BashAction, Close = _swerex_imports()
-    rt = LocalRuntime()
-    t0 = perf()
-    await rt.create_session(Create(session="bench", startup_timeout=30.0))
-    create = perf() - t0
-    try:
-        action = BashAction(command="echo hi", session="bench")
-        for _ in range(warm):
-            obs = await rt.run_in_session(action)
-        xs = []
-        for _ in range(n):
-            t0 = perf()
-            obs = await rt.run_in_session(action)
-            xs.append(perf() - t0)
-        assert obs.exit_code == 0 and "hi" in obs.output, obs
-    finally:
-        await rt.close_session(Close(session="bench"))
-        await rt.close()
-    out = summary_ms(xs)
-    out["session_create_ms"] = create * 1e3
-    return out
-
-
-def _sub_once() -> None:
-    r = subprocess.run(["bash", "-c", "echo hi"], capture_output=True)
-    if r.stdout != b"hi\n":
-        raise RuntimeError(r)
-
-
-def latency_subprocess(n: int, warm: int) -> dict[str, Any]:
-    for _ in range(warm):
-        _sub_once()
-    xs = []
-    for _ in range(n):
-        t0 = perf()
-        _sub_once()
-        xs.append(perf() - t0)
-    return summary_ms(xs)
-
-
 # -- b. throughput ------------------------------------------------------------------------
 async def throughput_ours(slots: int, cmds: int, sandboxes: int) -> dict[str, Any]:
     b = await started(cfg(slots_per_sandbox=slots // sandboxes, min_sandboxes=sandboxes,
@@ -421,113 +356,15 @@ async def throughput_ours(slots: int, cmds: int, sandboxes: int) -> dict[str, An
             "cpu_us_per_call": {k: (c1[k] - c0.get(k, 0.0)) / total * 1e6 for k in c1}}
 
 
-def throughput_subprocess_threads(calls: int, workers: int) -> dict[str, Any]:
-    with ThreadPoolExecutor(workers) as ex:
-        list(ex.map(lambda _: _sub_once(), range(workers * 2)))
-        t0 = perf()
-        list(ex.map(lambda _: _sub_once(), range(calls)))
-        dt = perf() - t0
-    return {"calls": calls, "workers": workers, "seconds": dt, "calls_per_s": calls / dt}
-
-
-async def throughput_subprocess_asyncio(calls: int, concurrency: int) -> dict[str, Any]:
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one() -> None:
-        async with sem:
-            p = await asyncio.create_subprocess_exec(
-                "bash", "-c", "echo hi", stdout=asyncio.subprocess.PIPE)
-            out, _ = await p.communicate()
-            if out != b"hi\n":
-                raise RuntimeError(out)
-
-    await asyncio.gather(*(one() for _ in range(concurrency)))
-    t0 = perf()
-    await asyncio.gather(*(one() for _ in range(calls)))
-    dt = perf() - t0
-    return {"calls": calls, "concurrency": concurrency, "seconds": dt, "calls_per_s": calls / dt}
-
-
-def throughput_swerex_threads(sessions: int, cmds: int) -> dict[str, Any]:
-    """One LocalRuntime + event loop per thread: SWE-ReX's session calls block, so
-    threads are the only way to run its sessions in parallel."""
-    LocalRuntime, Create, BashAction, Close = _swerex_imports()
-
-    def create(i: int) -> tuple[asyncio.AbstractEventLoop, Any]:
-        loop = asyncio.new_event_loop()
-        rt = LocalRuntime()
-        loop.run_until_complete(rt.create_session(Create(session=f"s{i}", startup_timeout=30.0)))
-        loop.run_until_complete(rt.run_in_session(BashAction(command="true", session=f"s{i}")))
-        return loop, rt
-
-    def run(i: int, lr: tuple[asyncio.AbstractEventLoop, Any]) -> tuple[int, str | None]:
-        loop, rt = lr
-        ok, err = 0, None
-        for k in range(cmds):
-            try:
-                obs = loop.run_until_complete(rt.run_in_session(
-                    BashAction(command=f"echo {k}", session=f"s{i}", check="silent")))
-            except Exception as exc:  # SWE-ReX gives up after 1 s waiting for an exit code
-                err = f"{type(exc).__name__}: {exc}"[:200]
-                continue
-            ok += obs.output.strip() == str(k)
-        return ok, err
-
-    def close(lr: tuple[asyncio.AbstractEventLoop, Any]) -> None:
-        loop, rt = lr
-        try:
-            loop.run_until_complete(rt.close())
-        finally:
-            loop.close()
-
-    with ThreadPoolExecutor(sessions) as ex:
-        t0 = perf()
-        futs = [ex.submit(create, i) for i in range(sessions)]
-        lrs, errors = [], []
-        for f in futs:
-            try:
-                lrs.append(f.result())
-            except Exception as exc:
-                errors.append(exc)
-        created = perf() - t0
-        try:
-            if errors:
-                raise errors[0]
-            t0 = perf()
-            outs = [f.result() for f in [ex.submit(run, i, lr) for i, lr in enumerate(lrs)]]
-            dt = perf() - t0
-        finally:
-            for f in [ex.submit(close, lr) for lr in lrs]:
-                f.exception()
-    total = sessions * cmds
-    errors = [e for _, e in outs if e]
-    return {"sessions": sessions, "calls": total, "ok": sum(o for o, _ in outs), "seconds": dt,
-            "calls_per_s": total / dt, "create_all_s": created, "errors": errors[:3]}
-
-
-async def throughput_swerex_gather(sessions: int, cmds: int) -> dict[str, Any]:
-    """asyncio.gather over sessions in one loop (how an async caller would try it)."""
-    LocalRuntime, Create, BashAction, Close = _swerex_imports()
-    rt = LocalRuntime()
-    for i in range(sessions):
-        await rt.create_session(Create(session=f"g{i}", startup_timeout=30.0))
-    try:
-        t0 = perf()
-        for k in range(cmds):
-            await asyncio.gather(*(rt.run_in_session(BashAction(command=f"echo {k}", session=f"g{i}"))
-                                   for i in range(sessions)))
-        dt = perf() - t0
-    finally:
-        await rt.close()
-    total = sessions * cmds
-    return {"sessions": sessions, "calls": total, "seconds": dt, "calls_per_s": total / dt}
-
-
 # -- c. acquire / release -------------------------------------------------------------------
 # 200 MB in 5,000 files of 40 KiB, in the slot's /usr (its writable layer); prints MB.
 BIG_STATE = ("mkdir -p /usr/share/hmt-bulk && cd /usr/share/hmt-bulk && for d in $(seq 50); do "
              "mkdir $d; for f in $(seq 100); do head -c 40960 /dev/zero > $d/$f; done; done; "
              "du -sm . | cut -f1")
+
+
+#: Seconds between the paced acquire + command + release cycles of section c.
+PACE_S = 0.05
 
 
 async def acquire_release(n: int, warm: int) -> dict[str, Any]:
@@ -569,7 +406,13 @@ async def acquire_release(n: int, warm: int) -> dict[str, Any]:
             await bare()
             await with_cmd()
         xs = [await bare() for _ in range(n)]
+        c0, m0 = cpu_by_kind(), busy_cpu_s()
         ys = [await with_cmd() for _ in range(n)]
+        c1, m1 = cpu_by_kind(), busy_cpu_s()
+        paced = []  # one every PACE_S: the machine keeps up with the background work
+        for _ in range(n // 2):
+            paced.append(await with_cmd())
+            await asyncio.sleep(PACE_S)
         zs = await after_big(3 if n < 100 else 8)
         filesystem = b.get_status()["pools"][PROFILE]["filesystem"]
     finally:
@@ -577,6 +420,10 @@ async def acquire_release(n: int, warm: int) -> dict[str, Any]:
     return {"filesystem": filesystem, "after_200mb": summary_ms(zs),
             "acquire_release": summary_ms(xs),
             "acquire_cmd_release": summary_ms([y[0] for y in ys]),
+            "acquire_cmd_release_paced": summary_ms([y[0] for y in paced]), "pace_s": PACE_S,
+            "paced_parts_ms": [summary_ms([y[i] for y in paced])["median"] for i in (1, 2, 3)],
+            "cpu_ms_per_cycle": {k: (c1[k] - c0.get(k, 0.0)) / n * 1e3 for k in c1},
+            "machine_busy_ms_per_cycle": (m1 - m0) / n * 1e3,
             "part_acquire": summary_ms([y[1] for y in ys]),
             "part_first_cmd": summary_ms([y[2] for y in ys]),
             "part_release_reset": summary_ms([y[3] for y in ys])}
@@ -647,6 +494,26 @@ def start_floors(n: int) -> dict[str, Any]:
     return out
 
 
+# -- f. shells per second ---------------------------------------------------------------------
+async def fresh_shells(slots: int, per_sandbox: int) -> dict[str, Any]:
+    """The first ``true`` in ``slots`` fresh slots at once (each starts its shell)."""
+    sandboxes = -(-slots // per_sandbox)
+    b = await started(cfg(slots_per_sandbox=per_sandbox, min_sandboxes=sandboxes,
+                          max_sandboxes=sandboxes, scale_down_idle=False))
+    try:
+        ss = [await b.acquire(f"f{i}") for i in range(slots)]
+        t0 = perf()
+        rs = await b.execute_batch([(s, "bash", {"command": "true"}) for s in ss])
+        wall = perf() - t0
+        failed = sum(not r.success for r in rs)
+        for s in ss:
+            await b.release(s)
+    finally:
+        await b.stop()
+    return {"slots": slots, "sandboxes": sandboxes, "wall_s": wall, "shells_per_s": slots / wall,
+            "failed": failed}
+
+
 # -- e. memory ------------------------------------------------------------------------------
 def _settle() -> dict[str, int]:
     time.sleep(1.0)
@@ -705,169 +572,6 @@ async def memory(slots: int, per_sandbox: int) -> dict[str, Any]:
 
 
 # -- report -----------------------------------------------------------------------------------
-def verdict(ok: bool) -> str:
-    return "MET" if ok else "MISSED"
-
-
-def render(res: dict[str, Any], quick: bool) -> str:
-    lines: list[str] = []
-    add = lines.append
-    m = res["machine"]
-    add("=" * 108)
-    add(f"hermes_modal_tool engine benchmark{' (--quick)' if quick else ''}")
-    add(f"machine: nproc={m['nproc']} ({m['cpu']}), mem={m['mem_total_gib']} GiB, kernel {m['kernel']}, "
-        f"python {m['python']}, euid={m['euid']}")
-    add(f"bwrap: {m['bwrap']} ({m['bwrap_version']}); swe-rex {m['swe_rex']}; "
-        f"isolation {res.get('facts', {}).get('isolation')}, limits {res.get('facts', {}).get('limits')}; "
-        f"commit {m['commit']}")
-    add("=" * 108)
-    row = "{:<56} {:>28} {:>14} {:>7}".format
-    if "latency" in res:
-        lat = res["latency"]
-        o, s, p = lat["ours"], lat.get("swerex"), lat["subprocess"]
-        if s and "error" in s:
-            add(f"   SWE-ReX failed: {s['error']}")
-            s = None
-        add("a. warm `echo hi` round trip, one slot — median / p90 / p99")
-        add(row("", "value", "target", "status"))
-        add(row(f"   ours (execute_batch, n={o['n']})", fmt_lat(o), "<= 0.5 ms",
-                verdict(o["median"] <= TARGETS["latency_median_ms"])))
-        add(f"      (agent-side part (agent + bash): {fmt_ms(o['agent_side_median_ms'])}; host + pipes: "
-            f"{fmt_ms(o['median'] - o['agent_side_median_ms'])}; min {fmt_ms(o['min'])})")
-        if s:
-            add(row(f"   SWE-ReX LocalRuntime session (n={s['n']})", fmt_lat(s), "", ""))
-            add(f"      (session create: {fmt_ms(s['session_create_ms'])})")
-        add(row(f"   subprocess.run(bash -c) (n={p['n']})", fmt_lat(p), "", ""))
-        if s:
-            sp = s["median"] / o["median"]
-            add(row("   speedup ours vs SWE-ReX (median)", f"{sp:,.0f}x", ">= 100x",
-                    verdict(sp >= TARGETS["speedup_vs_swerex"])))
-        add(row("   speedup ours vs subprocess.run (median)", f"{p['median'] / o['median']:,.1f}x", "", ""))
-        add("")
-    if "throughput" in res:
-        tp = res["throughput"]
-        add("b. throughput — trivial commands (calls/s)")
-        add(row("", "calls/s", "target", "status"))
-        for t in tp["ours"]:
-            tag = f"{t['sandboxes']}x{t['slots'] // t['sandboxes']}"
-            add(row(f"   ours, {t['calls'] // t['slots']} rounds x {t['slots']} slots ({tag})",
-                    f"{t['rounds_calls_per_s']:,.0f}", ">= 10,000",
-                    verdict(t["rounds_calls_per_s"] >= TARGETS["calls_per_s"])))
-            cpu = t["cpu_us_per_call"]
-            add(f"      (one round of {t['slots']} calls: {fmt_ms(t['round_ms'])}; wrong outputs: {t['wrong_outputs']}; "
-                f"CPU per call: " + ", ".join(f"{k} {v:.0f} µs" for k, v in sorted(cpu.items()) if v >= 0.5)
-                + f", total {sum(cpu.values()):.0f} µs => CPU-bound ceiling on {res['machine']['nproc']} cores: "
-                f"{res['machine']['nproc'] / max(sum(cpu.values()), 1e-9) * 1e6:,.0f} calls/s)")
-            add(row(f"   ours, the same as one batch of {t['calls']} ({tag})", f"{t['big_batch_calls_per_s']:,.0f}",
-                    ">= 10,000", verdict(t["big_batch_calls_per_s"] >= TARGETS["calls_per_s"])))
-        st = tp["subprocess_threads"]
-        add(row(f"   subprocess.run, thread pool of {st['workers']} ({st['calls']})", f"{st['calls_per_s']:,.0f}", "", ""))
-        sa = tp["subprocess_asyncio"]
-        add(row(f"   asyncio subprocess, {sa['concurrency']} at a time ({sa['calls']})",
-                f"{sa['calls_per_s']:,.0f}", "", ""))
-        for key in ("swerex_threads", "swerex_gather"):
-            if tp.get(key) and "error" in tp[key]:
-                add(f"   SWE-ReX ({key}) failed: {tp.pop(key)['error']}")
-        if tp.get("swerex_threads"):
-            sw = tp["swerex_threads"]
-            add(row(f"   SWE-ReX, {sw['sessions']} sessions in threads ({sw['calls']})",
-                    f"{sw['calls_per_s']:,.0f}", "", ""))
-            add(f"      ({sw['ok']}/{sw['calls']} outputs correct; creating {sw['sessions']} sessions took "
-                f"{sw['create_all_s']:.2f} s{'; errors: ' + str(sw['errors'][:1]) if sw.get('errors') else ''})")
-        if tp.get("swerex_gather"):
-            sg = tp["swerex_gather"]
-            add(row(f"   SWE-ReX, asyncio.gather over {sg['sessions']} sessions", f"{sg['calls_per_s']:,.1f}", "", ""))
-            add("      (one event loop: BashSession.run blocks in pexpect, so gather runs serially)")
-        best = max(max(t["rounds_calls_per_s"], t["big_batch_calls_per_s"]) for t in tp["ours"])
-        if tp.get("swerex_threads"):
-            add(row("   speedup ours (best) vs SWE-ReX threads", f"{best / tp['swerex_threads']['calls_per_s']:,.0f}x", "", ""))
-        add(row("   speedup ours (best) vs subprocess threads", f"{best / st['calls_per_s']:,.1f}x", "", ""))
-        add("")
-    if "acquire_release" in res:
-        ar = res["acquire_release"]
-        add("c. acquire + release(reset_workspace=True) — p50 / p99")
-        add(row("", "p50 / p99", "target", "status"))
-        a = ar["acquire_release"]
-        add(row(f"   acquire + release (n={a['n']})", f"{fmt_ms(a['median'])} / {fmt_ms(a['p99'])}",
-                "p50 <= 5 ms", verdict(a["median"] <= TARGETS["acquire_release_p50_ms"])))
-        c = ar["acquire_cmd_release"]
-        add(row("   acquire + 1 command + release", f"{fmt_ms(c['median'])} / {fmt_ms(c['p99'])}",
-                "(p50 <= 5 ms)", verdict(c["median"] <= TARGETS["acquire_release_p50_ms"])))
-        add(f"      parts p50: acquire {fmt_ms(ar['part_acquire']['median'])}, first command "
-            f"{fmt_ms(ar['part_first_cmd']['median'])} (spawns the shell), release+reset "
-            f"{fmt_ms(ar['part_release_reset']['median'])}")
-        if "after_200mb" in ar:
-            z = ar["after_200mb"]
-            add(row(f"   release + acquire after 200 MB / 5,000 files (n={z['n']})",
-                    f"{fmt_ms(z['median'])} / {fmt_ms(z['max'])}", "p50 <= 5 ms",
-                    verdict(z["median"] <= TARGETS["acquire_release_p50_ms"])))
-            add(f"      slot filesystem: {ar.get('filesystem')} (p50 / max)")
-        add("")
-    if "cold" in res:
-        cs = res["cold"]
-        add("d. cold start — median (min..max)")
-        add(row("", "median", "target", "status"))
-        bs = cs["backend_start"]
-        add(row(f"   new backend: start() to ready (n={bs['n']})",
-                f"{fmt_ms(bs['median'])} ({fmt_ms(bs['min'])}..{fmt_ms(bs['max'])})", "<= 100 ms",
-                verdict(bs["median"] <= TARGETS["sandbox_start_ms"])))
-        g = cs["growth_sandbox_start"]
-        add(row("   extra sandbox by pool growth (acquire)", fmt_ms(g["median"]), "<= 100 ms",
-                verdict(g["median"] <= TARGETS["sandbox_start_ms"])))
-        f = cs["first_cmd_fresh_slot"]
-        add(row(f"   first command in a fresh slot (n={f['n']})", fmt_lat(f), "", ""))
-        add(f"      (first command right after start(): {fmt_ms(cs['first_cmd_after_start']['median'])}; "
-            f"the second command: {fmt_ms(cs['second_cmd']['median'])})")
-        for label, v in cs.get("floors", {}).items():
-            add(row(f"   floor: {label}"[:56], fmt_ms(v["median"]), "", ""))
-        add("")
-    if "memory" in res:
-        mm = res["memory"]
-        add(f"e. idle memory per live slot — {mm['slots']} slots in {mm['sandboxes']} sandboxes "
-            f"x {mm['slots_per_sandbox']}")
-        add(row("", "MiB / slot", "target", "status"))
-        add(row("   MemAvailable delta / slots", f"{mm['memavailable_mib_per_slot']:.2f}", "<= 5 MiB",
-                verdict(mm["memavailable_mib_per_slot"] <= TARGETS["mib_per_slot"])))
-        add(row("   sum of PSS (agents+bwraps+bashes) / slots", f"{mm['pss_mib_per_slot']:.2f}", "<= 5 MiB",
-                verdict(mm["pss_mib_per_slot"] <= TARGETS["mib_per_slot"])))
-        add(f"      MemAvailable delta {mm['memavailable_delta_mib']:.0f} MiB (Slab +{mm['slab_delta_mib']:.0f}, "
-            f"PageTables +{mm['pagetables_delta_mib']:.0f}, Shmem +{mm['shmem_delta_mib']:.0f}); "
-            f"PSS total {mm['pss_total_mib']:.0f} MiB")
-        for kind, v in sorted(mm["by_kind"].items()):
-            add(f"      {kind:<11} x{v['count']:<5} PSS {v['pss_kib'] / 1024:7.1f} MiB "
-                f"({v['pss_kib'] / max(v['count'], 1):6.0f} KiB each), RSS {v['rss_kib'] / 1024:7.1f} MiB")
-        add(f"      live check: {mm['live_slots']}/{mm['slots']} slots answered `echo $HOSTNAME` correctly "
-            f"in one batch ({mm['echo_all_s'] * 1e3:.0f} ms); {mm['spawn_failures']} spawn failures"
-            + (f" e.g. {mm['spawn_failure_sample'][:1]}" if mm["spawn_failures"] else ""))
-        add(f"      start {mm['sandboxes']} sandboxes: {mm['start_s'] * 1e3:.0f} ms; first `true` in all "
-            f"{mm['slots']} slots (spawns every shell): {mm['spawn_all_s'] * 1e3:.0f} ms; "
-            f"1 s after stop: Slab+PageTables {mm['after_stop_slab_pagetables_delta_mib']:+.0f} MiB vs before, "
-            f"MemAvailable {mm['memavailable_not_returned_mib']:.0f} MiB short (the kernel frees namespace "
-            f"memory lazily; back within ~20 s)")
-        add(row("   all slots live", f"{mm['live_slots']}/{mm['slots']}", f"{mm['slots']}",
-                verdict(mm["live_slots"] == mm["slots"])))
-        add("")
-    cl = res.get("cleanup", {})
-    add(f"cleanup: {'CLEAN' if cl.get('clean') else 'LEFTOVERS'} — ours: live bwrap {cl.get('our_bwrap_live')}, "
-        f"descendants {cl.get('our_descendants')}, state dirs {cl.get('our_state_dirs')}, "
-        f"cgroups {cl.get('our_cgroups')}")
-    if res.get("subreaper"):
-        add(f"         orphans re-parented to this process (we are a child subreaper): {cl.get('orphans_reaped')} "
-            f"zombies reaped (slot inits orphaned by kills at reset/stop), live: {cl.get('orphans_live')}")
-    live, zombie = cl.get("pgrep_bwrap_live") or [], cl.get("pgrep_bwrap_zombie") or []
-    add(f"         `pgrep -f bwrap` machine-wide: {len(live)} live {live[:8]}{' ...' if len(live) > 8 else ''}, "
-        f"{len(zombie)} zombie{' (other users of the machine: ours are re-parented to us and reaped)' if live or zombie else ''}")
-    cpu = res.get("cpu_log", [])
-    if cpu:
-        add("CPU used by other processes during each step (a shared machine skews results):")
-        add("   " + "; ".join(f"{c['step'].split()[0]}{c['step'].split()[1] if len(c['step'].split()) > 1 else ''} "
-                              f"{c['other_cpu_low_s'] / c['wall_s']:.2f}..{c['other_cpu_s'] / c['wall_s']:.2f}"
-                              for c in cpu) + "  (cores busy elsewhere, lower..upper bound)")
-    add(f"total wall time: {res['wall_s']:.1f} s")
-    add("=" * 108)
-    return "\n".join(lines)
-
-
 # -- main ---------------------------------------------------------------------------------------
 #: Per measured step: wall seconds, CPU seconds used by this process tree, CPU seconds used
 #: by everything else on the machine (other users of a shared machine skew the numbers).
@@ -987,6 +691,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lat["swerex"] = timed("a. swe-rex", lambda: asyncio.run(latency_swerex(10 if q else 60, 3 if q else 5)),
                                   optional=True)
         lat["subprocess"] = timed("a. subprocess", lambda: latency_subprocess(100 if q else 500, 10 if q else 30))
+        lat["raw_bash"] = summary_ms(timed("a. floor: raw bash", lambda: raw_bash_echo(
+            500 if q else 5000, 100)))
         res["latency"] = lat
     if "b" in sections:
         tp: dict[str, Any] = {"ours": []}
@@ -994,6 +700,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for sbx in (1, 2):
             tp["ours"].append(timed(f"b. ours {sbx} sandbox(es)",
                                     lambda sbx=sbx: asyncio.run(throughput_ours(n_slots, n_cmds, sbx))))
+        tp["raw_bash"] = timed("b. floor: raw bash", lambda: raw_bash_throughput(n_slots, n_cmds))
         n_sub = 500 if q else 3000
         tp["subprocess_threads"] = timed("b. subprocess threads", lambda: throughput_subprocess_threads(n_sub, 16))
         tp["subprocess_asyncio"] = timed("b. subprocess asyncio",
@@ -1014,6 +721,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "e" in sections:
         slots = args.slots if args.slots is not None else (100 if q else 1000)
         res["memory"] = timed(f"e. memory {slots} slots", lambda: asyncio.run(memory(slots, args.per_sandbox)))
+    if "f" in sections:
+        from hermes_modal_tool.drivers.local import find_bwrap
+        n_fresh = 200 if q else 1000
+        res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(n_fresh, 100)))
+        res["fresh"]["floor"] = timed("f. floor: bwrap true", lambda: bwrap_true_rate(
+            find_bwrap(), 100 if q else 400, os.cpu_count() or 2))
     res["cleanup"] = wait_clean()
     res["wall_s"] = perf() - t_start
     res["cpu_log"] = CPU_LOG
@@ -1027,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small, fast run (~15 s)")
     ap.add_argument("--slots", type=int, default=None, help="slots for the memory test (default 1000; 100 with --quick)")
     ap.add_argument("--per-sandbox", type=int, default=100, help="slots per sandbox for the memory test")
-    ap.add_argument("--sections", default="a,b,c,d,e", help="which sections to run (default a,b,c,d,e)")
+    ap.add_argument("--sections", default="a,b,c,d,e,f", help="which sections to run (default a,b,c,d,e,f)")
     ap.add_argument("--no-swerex", action="store_true", help="skip the SWE-ReX comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",

@@ -36,6 +36,8 @@ _WARNED_WORKSPACE_ONLY: set[str] = set()  # profiles already warned about (once 
 
 START_TIMEOUT_S = 120.0
 MAX_CALL_TIMEOUT_S = 86400.0
+#: How many of the last released free slots ``acquire`` chooses from (the oldest of them).
+PICK_WINDOW = 8
 
 
 @dataclass(eq=False)
@@ -50,6 +52,7 @@ class _Record:
     holder: Slot | None = None
     inflight: int = 0
     ready: bool = True
+    offered: float = 0.0  # when it was last offered (time.monotonic())
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,8 +184,9 @@ class SandboxPool(SlotResets):
             recs.append(_Record(sb, i, f"{sandbox_id}_slot_{i}", ws))
         self._sandboxes[sandbox_id] = sb
         self._records[sandbox_id] = recs
+        now = time.monotonic()
         for rec in reversed(recs):  # slot_0 is taken first
-            self._offer(rec)
+            self._offer(rec, now)
         return sb
 
     def _warn_workspace_only(self) -> None:
@@ -265,9 +269,10 @@ class SandboxPool(SlotResets):
         self._spawn(sb.close(), f"hermes-modal-tool retire {sb.sandbox_id}", closing=True)
 
     # -- slots ---------------------------------------------------------------------
-    def _offer(self, rec: _Record) -> None:
+    def _offer(self, rec: _Record, when: float | None = None) -> None:
         if rec.sandbox.dead or rec.sandbox.sandbox_id not in self._sandboxes:
             return
+        rec.offered = time.monotonic() if when is None else when
         while self._waiters:
             w = self._waiters.popleft()
             if not w.done():
@@ -276,12 +281,24 @@ class SandboxPool(SlotResets):
         self._free.append(rec)
 
     def _take_free(self) -> _Record | None:
-        # Last released, first reused: it has a warm shell and keeps busy sandboxes busy,
-        # so idle ones can be stopped.
-        while self._free:
-            rec = self._free.pop()
-            if not rec.sandbox.dead and rec.sandbox.sandbox_id in self._sandboxes:
+        # Of the PICK_WINDOW slots released last, the one released first: busy sandboxes stay
+        # busy (idle ones can be stopped) and the agent has had the most time to start its
+        # next shell (after a reset; a new sandbox's from slot_0 up): it is likely ready.
+        free = self._free
+        while free:
+            best = None
+            for pos in range(len(free) - 1, max(-1, len(free) - 1 - PICK_WINDOW), -1):
+                rec = free[pos]
+                if rec.sandbox.dead or rec.sandbox.sandbox_id not in self._sandboxes:
+                    continue
+                if best is None or rec.offered < free[best].offered:
+                    best = pos
+            if best is not None:
+                rec = free[best]
+                del free[best]
                 return rec
+            for _ in range(min(PICK_WINDOW, len(free))):
+                free.pop()  # gone with their sandboxes
         return None
 
     async def acquire(self, trajectory_id: str | None = None) -> Slot:

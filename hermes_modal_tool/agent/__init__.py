@@ -30,11 +30,15 @@ _MODULES = (
     ("hermes_modal_tool.agent.files", "agent/files.py"),
     ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),
     ("hermes_modal_tool.agent.admission", "agent/admission.py"),
+    ("hermes_modal_tool.agent.output", "agent/output.py"),
+    ("hermes_modal_tool.agent.shellprocs", "agent/shellprocs.py"),
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),
     ("hermes_modal_tool.agent.slot", "agent/slot.py"),
     ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),
     ("hermes_modal_tool.agent.caps", "agent/caps.py"),
     ("hermes_modal_tool.agent.heartbeat", "agent/heartbeat.py"),
+    ("hermes_modal_tool.agent.setup", "agent/setup.py"),
+    ("hermes_modal_tool.agent.calls", "agent/calls.py"),
     ("hermes_modal_tool.agent.main", "agent/main.py"),
 )
 

@@ -137,12 +137,16 @@ class Cgroups:
             _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
         return not any(os.path.isdir(base) for base in self._bases.values())
 
+    def pids_events_file(self, slot):
+        """The slot's ``pids.events`` file (None without cgroups)."""
+        d = {} if self.mode == "rlimit" else self._dirs(slot)
+        return os.path.join(d.get("pids") or d["unified"], "pids.events") if d else None
+
     def pids_limit_events(self, slot):
         """How many times a fork in the slot failed at its pids limit (``pids.events`` ``max``)."""
-        if self.mode == "rlimit":
+        path = self.pids_events_file(slot)
+        if path is None:
             return 0
-        d = self._dirs(slot)
-        path = os.path.join(d["pids"] if self.mode == "cgroup-v1" else d["unified"], "pids.events")
         try:
             with open(path) as fh:
                 for line in fh:

@@ -7,14 +7,13 @@ result goes out. A file size rlimit (see :mod:`.slot`) stops any single file at 
 """
 
 import asyncio
-import concurrent.futures
 
 #: How often a running command's slot is measured against its ``slot_disk`` limit (s).
 DISK_WATCH_S = 0.5
 
 
 class DiskWatch:
-    """Mixed into the agent: needs ``loop``, ``closing``, ``slot_disk_mb`` and ``_watcher``."""
+    """Mixed into the agent: needs ``loop``, ``closing``, ``slot_disk_mb`` and ``executor``."""
 
     def _disk_over(self, used):
         return used > self.slot_disk_mb * 1024 * 1024
@@ -27,11 +26,11 @@ class DiskWatch:
     async def _watch_disk(self, slot, collector):
         """While the command runs, measure the slot's writable layer every
         :data:`DISK_WATCH_S` (in a worker thread) and stop the command past the limit."""
-        while collector is not None and not collector.done.done():
+        while collector is not None and collector.ended is None:
             await asyncio.sleep(DISK_WATCH_S)
-            if collector.done.done() or slot.shell.collector is not collector:
+            if collector.ended is not None or slot.shell.collector is not collector:
                 return
-            used = await self.loop.run_in_executor(self.watcher, slot.root.usage_bytes)
+            used = await self.loop.run_in_executor(self.executor("disk"), slot.root.usage_bytes)
             if self._disk_over(used) and slot.shell.collector is collector:
                 slot.shell.cancel(self._disk_message(used))
                 return
@@ -59,14 +58,6 @@ class DiskWatch:
             if self.closing:
                 done(result)
                 return
-            fut = self.loop.run_in_executor(self.watcher, slot.root.usage_bytes)
+            fut = self.loop.run_in_executor(self.executor("disk"), slot.root.usage_bytes)
             fut.add_done_callback(measured)
         return finish
-
-    @property
-    def watcher(self):
-        """One worker thread that measures slots' disk use."""
-        if self._watcher is None:
-            self._watcher = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="hermes-modal-tool-disk")
-        return self._watcher

@@ -118,7 +118,19 @@ def enter_private_mount_namespace():
 
 
 def userns_fd(uid, gid):
-    """A user namespace mapping 0 -> ``uid``/``gid`` (one id), as an fd; made by a child."""
+    """A user namespace mapping 0 -> ``uid``/``gid`` (one id), as an fd; made by a child.
+
+    One at a time (threads may call it): a child forked meanwhile by another call would
+    inherit this call's ``go`` pipe and keep this child waiting forever, and itself too.
+    """
+    with _USERNS_LOCK:
+        return _userns_fd(uid, gid)
+
+
+_USERNS_LOCK = threading.Lock()
+
+
+def _userns_fd(uid, gid):
     lib = libc()
     go_r, go_w = os.pipe()
     ready_r, ready_w = os.pipe()

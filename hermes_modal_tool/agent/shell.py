@@ -1,186 +1,57 @@
-"""One persistent bash session per slot, and the capped collection of its output.
+"""One persistent bash session per slot.
 
 Stdlib-only, Python 3.8.
 
-How a command runs: the agent writes the command text to the slot's control
-directory and sends bash one short line on its stdin::
+How a command runs: the shell reads commands in a loop it is given when it starts::
 
-    __hmt_n=NONCE; { . CTL/cmd; } </dev/null 2>&1; printf '\\036%s %d\\036\\n' "$__hmt_n" "$?"
+    while :; do read -r -N 9 __hmt_n; ...; __hmt_f; printf '\\036%s %d\\036\\n' "${__hmt_n:0:8}" "$?"; done
 
-``.`` (source) runs the command in the shell itself, so ``cd``, ``export``,
-``declare`` and functions persist. Output goes to one pipe the agent reads; the
-end of a command is the marker line with a fresh random nonce, so a command
-cannot end another command's output by printing something that looks like it.
+The agent writes the command text to the slot's control file ``cmd`` (one ``pwrite``:
+bash ``source``s it, so ``cd``, ``export``, ``declare`` and functions persist, a
+``return`` ends the command and bash's messages name the file, which the output
+shows as ``bash``), then 9 bytes to the shell's stdin: a fresh random nonce and the
+command's input (``n``: /dev/null, ``s``: the control file ``stdin``, ``e``: the control
+file ``e``, which sets variables for the command). ``read -N 9`` takes them in one
+``read`` (a line would cost bash one ``read`` per byte on a pipe). ``__hmt_f`` is a
+read-only function, so a ``break`` in the command cannot leave the loop. Output goes to
+one pipe the agent reads; the end of a command is the marker line with its nonce.
 
 Starting: ``Popen`` of the slot's ``bwrap`` blocks for 5-10 ms (it joins cgroups and
 drops its uid between fork and exec), so it runs in a worker thread, never on the
-agent's event loop. The shell is *ready* when it has printed a marker after its
-init lines; a command's timeout clock starts when the command is written to a
-ready shell, so the time a shell takes to start never counts against a command.
-
-Timeouts: the shell traps SIGUSR1 with ``return 124`` (which ends the sourced
-command even inside a shell loop; never the runner, so a signal that comes just as
-the command ends cannot skip the end marker); the agent sends it and kills every
-process of the command (found in the slot's cgroup, else by a scan of /proc) except
-the shell, its init and background jobs (TERM, 0.5 s grace, KILL). If the shell
-itself does not come back within 5 s it is killed and the next command gets a fresh
-shell in the directory the old one was in.
+agent's event loop; the slot's root layer is built there too. The shell is *ready* when
+it has printed a marker after its init lines; a command's timeout clock starts when the
+command is written to a ready shell, so the time a shell takes to start never counts
+against a command. Timeouts and stopping: :mod:`.shellprocs`.
 """
 
-import asyncio
 import os
-import re
-import select
-import signal
 import subprocess
 import time
 
 from .. import protocol
 from . import isolation, rootplan
-from .procs import slot_level, tree_usage
+from .output import OutputCollector, marker  # noqa: F401 - marker: re-exported for callers
+from .shellprocs import READY_TIMEOUT_S, ShellProcesses, new_nonce
 
-MARK = b"\x1e"
-# On SIGUSR1 (a timeout) return from what is being sourced: the command, or a function
-# it runs. Not from the runner itself: a signal that comes just after the command ended
-# must not skip the end marker.
-TRAP = "trap 'case ${BASH_SOURCE[0]} in @RUNNERS@) ;; *) return 124 2>/dev/null;; esac' USR1\n"
+# On SIGUSR1 (a timeout) return from what runs: the sourced command, or a function it
+# runs. In the loop itself there is nothing to return from (the error is silenced), so a
+# signal that comes just after the command ended cannot skip the end marker.
+TRAP = "trap 'return 124 2>/dev/null' USR1\n"
 INIT_LINES = "set +o history 2>/dev/null; shopt -s expand_aliases\n"
-# Sourced for each command: the command, then the end marker with its exit code.
-# ``\\builtin printf``: a command that redefines printf cannot hide the marker.
-RUNNER = ("{ . @CMD@; } <@IN@\n"
-          "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"\n")
-TERM_GRACE_S = 0.5
-#: Bytes after a marker's prefix within which its end must come (an exit code: "-1".."255").
-MARKER_TAIL = 8
-SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replaced
-READY_TIMEOUT_S = 60.0  # a shell not ready by then is killed and its call fails
+#: The command loop (``@CTL@``: the control directory as the shell sees it). ``read``
+#: interrupted by a trapped signal returns > 128: read again; 1 is the end of stdin.
+LOOP = ("__hmt_f() { case ${__hmt_n:8:1} in n) . @CTL@/cmd </dev/null;; "
+        "s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n"
+        "readonly -f __hmt_f\n"
+        "while :; do \\builtin read -r -N 9 __hmt_n; case $? in 0) ;; 1) \\builtin exit;; "
+        "*) \\builtin continue;; esac; __hmt_f; "
+        "\\builtin printf '\\036%s %d\\036\\n' \"${__hmt_n:0:8}\" \"$?\"; done\n")
+#: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
+#: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
+SPAWN_THREADS = 4
 
 
-class OutputCollector:
-    """Collects one command's output up to its end marker, keeping head and tail.
-
-    Args:
-        nonce: the command's marker nonce (bytes).
-        limit: the output cap in characters; at most about ``4 * limit`` bytes are held.
-    """
-
-    __slots__ = ("_prefix", "limit", "head", "tail", "dropped", "_pending", "returncode",
-                 "done", "_keep", "source", "one_line")
-
-    def __init__(self, nonce, limit, loop):
-        self._prefix = MARK + nonce + b" "
-        self.source = None  # the sourced command file's path (bytes): bash names it in errors
-        self.one_line = False
-        self.limit = limit
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-        self._pending = bytearray()
-        self.returncode = None
-        self.done = loop.create_future()
-        self._keep = len(self._prefix) + 16
-
-    def feed(self, data):
-        """Take output; linear in it, and never holding more than a marker's length of it
-        unstored (output that prints the marker's prefix without its end is output)."""
-        if self.done.done():
-            return
-        pend = self._pending
-        pend += data
-        plen = len(self._prefix)
-        while True:
-            idx = pend.find(self._prefix)
-            if idx < 0:
-                break
-            end = pend.find(MARK, idx + plen, idx + plen + MARKER_TAIL)
-            if end >= 0:
-                try:
-                    self.returncode = int(pend[idx + plen:end])
-                except ValueError:
-                    self.returncode = -1
-                self._store(bytes(pend[:idx]))
-                del pend[:]
-                self.done.set_result(True)
-                return
-            if len(pend) - (idx + plen) < MARKER_TAIL:
-                self._store(bytes(pend[:idx]))  # maybe the marker: wait for its end
-                del pend[:idx]
-                return
-            # Not a marker (a real one ends within a few digits): it is output.
-            self._store(bytes(pend[:idx + 1]))
-            del pend[:idx + 1]
-        if len(pend) > self._keep:
-            cut = len(pend) - self._keep
-            self._store(bytes(pend[:cut]))
-            del pend[:cut]
-
-    def append(self, data):
-        """Add output that belongs to this command but came after its end marker."""
-        self._store(data)
-
-    def _unname(self, data):
-        if self.source is None or self.source not in data:
-            return data
-        return _unname_in(data, self.source, self.one_line)
-
-    def finish(self, returncode=None):
-        """End collection without a marker (shell died or was killed)."""
-        if self.done.done():
-            return
-        self._store(bytes(self._pending))
-        del self._pending[:]
-        self.returncode = returncode
-        self.done.set_result(False)
-
-    def _store(self, data):
-        if not data:
-            return
-        cap = 2 * self.limit
-        room = cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-            if not data:
-                return
-        self.tail += data
-        if len(self.tail) > cap:
-            extra = len(self.tail) - cap
-            self.dropped += extra
-            del self.tail[:extra]
-
-    def text(self):
-        """Return ``(text, truncated)``: decoded with replacement, capped, marker in the middle.
-
-        Bash names the file it sources in its messages (``/run/hmt/cmd: line 1: x: command
-        not found``): that internal path is shown as bash's own name, as a terminal shows it
-        (``bash: x: command not found``; ``bash: line N:`` for a command of several lines).
-        """
-        head = self._unname(bytes(self.head)).decode("utf-8", "replace")
-        tail = self._unname(bytes(self.tail)).decode("utf-8", "replace")
-        total = len(head) + len(tail) + self.dropped
-        if total <= self.limit:
-            return head + tail, False
-        keep = self.limit // 2
-        text = head + tail
-        if self.dropped == 0:
-            omitted = len(text) - 2 * keep
-            return (text[:keep] + marker(omitted) + text[len(text) - keep:], True)
-        first = head[:keep]
-        last = tail[len(tail) - keep:] if len(tail) >= keep else (head + tail)[-keep:]
-        omitted = total - len(first) - len(last)
-        return first + marker(omitted) + last, True
-
-
-def _unname_in(data, source, one_line):
-    pattern = re.compile(re.escape(source) + rb": line (\d+): ")
-    return pattern.sub(b"bash: " if one_line else rb"bash: line \1: ", data)
-
-
-def marker(omitted):
-    return "\n\n... [output truncated: %d characters omitted] ...\n\n" % omitted
-
-
-class Shell:
+class Shell(ShellProcesses):
     """A persistent bash process for one slot (started on demand, restarted when it dies)."""
 
     def __init__(self, slot, loop):
@@ -201,10 +72,8 @@ class Shell:
         self.exit_status = None
         self.eof = None
         self.resume_dir = None
-        self.runner = self.stdin_runner = None
         self.used = False
         self.cmd_started = (0, 0)
-        self.pids_events = 0
         self.on_done = None
         self.timer = None
         self.timeout = 0.0
@@ -228,7 +97,7 @@ class Shell:
         The outcome is None once the shell is ready, else a failed ``call`` result
         saying why it did not start (its output is what bwrap or bash printed). At most
         ``agent.spawn_limiter`` shells of the sandbox start at once (the rest wait their
-        turn); ``Popen`` runs in ``agent.spawner`` (a thread), the rest on the loop.
+        turn); ``Popen`` runs in the agent's "spawn" threads, the rest on the loop.
         """
         if self.starting is None:
             if self.ready:
@@ -253,7 +122,8 @@ class Shell:
                 key = ("shell", self.slot.index)
                 agent.admission.hold(key)  # a starting shell weighs like a running command
                 try:
-                    spawned = await self.loop.run_in_executor(agent.spawner, self._popen)
+                    spawned = await self.loop.run_in_executor(
+                        agent.executor("spawn"), self._popen)
                 except Exception as exc:  # noqa: BLE001 - reported as the call's result
                     return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
                 else:
@@ -275,7 +145,7 @@ class Shell:
         binds, bash = rootplan.shell_argv(agent.image_bash)  # an image's, or a static one
         try:
             if slot.root is not None:
-                slot.root.ensure()
+                slot.ensure_root()  # in this thread: mounts and a fork, once per layer
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
                 argv = isolation.bwrap_root_argv(
@@ -328,18 +198,14 @@ class Shell:
         self.used = False
         self.eof = self.loop.create_future()
         self.loop.add_reader(out_r, self._on_output)
-        ctl = self.slot.ctl_path
-        runner = RUNNER.replace("@CMD@", ctl + "/cmd")
-        self.runner = self.slot.write_ctl("r", runner.replace("@IN@", "/dev/null").encode())
-        self.stdin_runner = self.slot.write_ctl("s", runner.replace("@IN@", ctl + "/stdin").encode())
-        nonce = os.urandom(4).hex()
+        nonce = new_nonce()
         self.ready_collector = OutputCollector(nonce.encode(), 4096, self.loop)
-        runners = "|".join(shell_quote(p) for p in (self.runner, self.stdin_runner))
-        start = TRAP.replace("@RUNNERS@", runners.replace("'", "'\\''")) + INIT_LINES  # in '...'
+        start = TRAP + INIT_LINES
         if self.resume_dir:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
             self.resume_dir = None
         start += "\\builtin printf '\\036%%s 0\\036\\n' %s\n" % nonce
+        start += LOOP.replace("@CTL@", shell_quote(self.slot.ctl_path))
         try:
             self._write(start.encode())
         except OSError:
@@ -357,7 +223,7 @@ class Shell:
 
         timer = self.loop.call_later(READY_TIMEOUT_S, expire)
         try:
-            ended = await collector.done
+            ended = await collector.wait()
         finally:
             timer.cancel()
             self.ready_collector = None
@@ -375,28 +241,6 @@ class Shell:
             why = "it exited with status %s" % (status,)
         return protocol_result("the slot's shell did not start: %s" % why,
                                status if isinstance(status, int) and status > 0 else 1, text)
-
-    def _find_bash(self):
-        """Host pid of bash: the bwrap init's only child (or the process itself without bwrap)."""
-        if self.slot.agent.isolation != "bwrap":
-            return self.proc.pid
-        init = self._init()
-        if not init:
-            return None
-        try:
-            with open("/proc/%d/task/%d/children" % (init, init)) as fh:
-                kids = fh.read().split()
-        except OSError:
-            return None
-        return int(kids[0]) if len(kids) == 1 else None
-
-    def usage(self):
-        """``(wants_cpu, cpu_seconds)`` of the shell and what runs in it: whether a process
-        is runnable (R) or in disk wait (D), and the CPU time used since the shell started
-        (by processes still running and by those that ended)."""
-        if not self.ready or self.bash_pid is None:
-            return False, 0.0
-        return tree_usage(self.bash_pid)
 
     def _write(self, data):
         view = memoryview(data)
@@ -425,7 +269,7 @@ class Shell:
         if data:
             if collector is not None:
                 collector.feed(data)
-                if collector.done.done() and not self.interrupting:
+                if collector.ended is not None and not self.interrupting:
                     self._complete()
             return
         # EOF: the shell (and everything holding its output pipe) is gone.
@@ -438,167 +282,12 @@ class Shell:
             if not self.interrupting:
                 self._complete()
 
-    def _reap(self, block):
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout=1.0 if block else 0)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def close_fds(self):
-        for name in ("stdin_fd", "out_fd", "info_fd"):
-            fd = getattr(self, name)
-            if fd is not None:
-                if name == "out_fd":
-                    try:
-                        self.loop.remove_reader(fd)
-                    except (ValueError, OSError):
-                        pass
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-                setattr(self, name, None)
-
-    # -- processes ---------------------------------------------------------
-    def _init(self):
-        if self.init_pid is None and self.info_fd is not None:
-            self.init_pid = isolation.read_child_pid(self.info_fd)
-            if self.init_pid:
-                try:
-                    self.ns_link = os.readlink("/proc/%d/ns/pid" % self.init_pid)
-                except OSError:
-                    self.ns_link = None
-        return self.init_pid
-
-    def shell_pid(self):
-        """Host pid of bash itself."""
-        if self.bash_pid is not None and self.alive:
-            return self.bash_pid
-        if self.slot.agent.isolation != "bwrap":
-            return self.proc.pid if self.proc else None
-        self._init()
-        if self.ns_link is None:
-            return None
-        for pid, nspid, _, _ in isolation.ns_processes(ns_link=self.ns_link):
-            if nspid == 2:
-                return pid
-        return None
-
-    def command_processes(self):
-        """Host pids of what the running command started: processes of the slot that
-        began after it did, except bash, init and background jobs' sessions."""
-        keep_sids = set(self.slot.background_sids)
-        since = self.cmd_started
-        cgroups = self.slot.agent.cgroups
-        if self.slot.agent.isolation == "bwrap":
-            self._init()
-            if self.ns_link is None:
-                return []
-            if cgroups:  # the slot's cgroup holds exactly its processes: no scan of all /proc
-                procs = slot_level(cgroups.slot_pids(self.slot.index))
-            else:
-                procs = isolation.ns_processes(ns_link=self.ns_link)
-            return [pid for pid, nspid, nssid, start in procs
-                    if nspid not in (1, 2) and nssid not in keep_sids
-                    and isolation.started_after(pid, start, since)]
-        if self.proc is None:
-            return []
-        procs = isolation.ns_processes(session=self.proc.pid)
-        return [pid for pid, _, _, start in procs
-                if pid != self.proc.pid and isolation.started_after(pid, start, since)]
-
-    def slot_processes(self):
-        """Every process of the slot except bash and init (for a hard reset without namespaces)."""
-        if self.proc is None:
-            return []
-        return [pid for pid, _, _, _ in isolation.ns_processes(session=self.proc.pid)
-                if pid != self.proc.pid]
-
-    def cwd(self):
-        pid = self.shell_pid()
-        if pid is None:
-            return None
-        try:
-            real = os.readlink("/proc/%d/cwd" % pid)
-        except OSError:
-            return None
-        slot = self.slot
-        if slot.agent.isolation == "bwrap":
-            return real  # already in the slot's view
-        return real
-
-    def kill(self):
-        """Kill the shell and every process of the slot (a hard reset).
-
-        With namespaces, killing the slot's init ends every process in its PID
-        namespace; the outer bwrap then reaps it and exits (killing both at once
-        would leave the init as a zombie for PID 1 to reap).
-        """
-        slot = self.slot
-        if self.proc is None:
-            if self.starting is not None:
-                self.kill_on_start = True  # it waits for its turn, or Popen runs in its thread
-            return
-        init = self._init()
-        if init is None and self.info_fd is not None:
-            # Just spawned: bwrap writes the init's pid within milliseconds.
-            select.select([self.info_fd], [], [], 0.2)
-            init = self._init()
-        if init:
-            isolation._kill(init, signal.SIGKILL)
-        else:
-            self._kill_hard()
-        if slot.agent.isolation != "bwrap":
-            for pid in self.slot_processes():
-                isolation._kill(pid, signal.SIGKILL)
-            for sid in slot.background_sids:
-                for pid, _, _, _ in isolation.ns_processes(session=sid):
-                    isolation._kill(pid, signal.SIGKILL)
-
-    def _kill_hard(self):
-        """Kill the outer bwrap, its children and the slot's cgroup (when the init is unknown
-        or does not go away)."""
-        outer = self.proc.pid
-        isolation._kill(outer, signal.SIGKILL)
-        for pid in isolation.children_of(outer):
-            isolation._kill(pid, signal.SIGKILL)
-        if self.slot.agent.cgroups:
-            self.slot.agent.cgroups.kill_slot(self.slot.index)
-
-    async def stop(self):
-        """Kill everything and wait (bounded) until the shell is reaped."""
-        starting = self.starting
-        if starting is not None and starting is not asyncio.current_task():
-            self.kill()  # ends a start in progress (at once, or as soon as Popen returns)
-            try:
-                await asyncio.wait_for(asyncio.shield(starting), READY_TIMEOUT_S)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
-                pass
-        if self.proc is None:
-            return
-        self.is_ready = False
-        self.kill()
-        if self.eof is not None and not self.eof.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(self.eof), 2.0)
-            except asyncio.TimeoutError:
-                self._kill_hard()
-                try:
-                    await asyncio.wait_for(asyncio.shield(self.eof), 3.0)
-                except asyncio.TimeoutError:
-                    pass
-        self._reap(block=True)
-        if self.slot.agent.cgroups:
-            self.slot.agent.cgroups.kill_slot(self.slot.index)  # anything that escaped
-        self.close_fds()
-        self.proc = None
-
     # -- running commands --------------------------------------------------
     def start(self, command_file, stdin_path, env, timeout, limit, on_done, one_line=False):
-        """Start one command (already written to ``command_file``; ``one_line``: it is a
-        single line, so bash's messages about it need no line number).
+        """Start one command, already written to ``command_file`` (the slot's ``cmd``
+        control file); ``stdin_path``: ``/dev/null`` or a control file with its input;
+        ``env``: variables for this command only; ``one_line``: the command is a single
+        line, so bash's messages about it need no line number.
 
         ``on_done(result)`` is called once with a ``call`` result dict: from the
         output reader when the end marker arrives (no task or future on this path),
@@ -606,9 +295,8 @@ class Shell:
         """
         self.started_at = time.monotonic()  # the timeout clock starts here, in a ready shell
         self.used = True  # from now on a reset must replace this shell
-        nonce = os.urandom(4).hex()  # only this slot's own output could forge it
+        nonce = new_nonce()  # only this slot's own output could forge it
         self.cmd_started = isolation.process_clock()
-        self.pids_events = self.slot.pids_events()
         collector = OutputCollector(nonce.encode(), limit, self.loop)
         collector.source = command_file.encode()
         collector.one_line = one_line
@@ -617,22 +305,22 @@ class Shell:
         self.timeout = timeout
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
         self.stop_reason = None
-        if env:
+        ctl = self.slot.ctl_path
+        if env or command_file != ctl + "/cmd" or stdin_path not in ("/dev/null", ctl + "/stdin"):
             prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
-            line = ("__hmt_n=%s; { %s. %s; } <%s; \\builtin printf '\\036%%s %%d\\036\\n' "
-                    "\"$__hmt_n\" \"$?\"\n" % (nonce, prefix, command_file, shell_quote(stdin_path)))
+            self.slot.write_ctl("e", ("%s. %s <%s\n" % (prefix, shell_quote(command_file),
+                                                       shell_quote(stdin_path))).encode())
+            mode = "e"
         else:
-            # Short form: bash reads its input one byte at a time, so keep it short.
-            runner = self.runner if stdin_path == "/dev/null" else self.stdin_runner
-            line = "__hmt_n=%s;. %s\n" % (nonce, runner)
+            mode = "n" if stdin_path == "/dev/null" else "s"
         try:
             if not self.alive:
                 raise OSError("the shell is gone")
-            self._write(line.encode())
+            self._write((nonce + mode).encode())  # one write: the shell reads it in one read
         except OSError:
             collector.finish(self.exit_status)  # reported as the shell having exited
         self.timer = self.loop.call_later(timeout, self._on_timeout)
-        if collector.done.done():
+        if collector.ended is not None:
             self._complete()
 
     async def run(self, command_file, stdin_path, env, timeout, limit):
@@ -649,7 +337,7 @@ class Shell:
             self._begin_interrupt()
 
     def _on_timeout(self):
-        if self.collector is not None and not self.collector.done.done():
+        if self.collector is not None and self.collector.ended is None:
             self.timed_out = True
             self._begin_interrupt()
 
@@ -674,7 +362,7 @@ class Shell:
         self.collector = None
         self.timer.cancel()
         text, truncated = collector.text()
-        ended = collector.done.result() if collector.done.done() else False
+        ended = bool(collector.ended)
         error = None
         rc = collector.returncode
         if self.slot.agent.closing:
@@ -707,7 +395,7 @@ class Shell:
         elif rc == 137 and self.slot.memory_limit_hit():
             error = "killed: the slot's memory limit was reached"
         data = {}
-        if self.slot.pids_events() > self.pids_events:
+        if self.slot.pids_limit_hit():
             # fork() failed with EAGAIN at the slot's pids limit at least once.
             data["limits_hit"] = ["pids"]
             note = "the slot's process limit (pids_limit) was reached: fork failed"
@@ -720,57 +408,6 @@ class Shell:
             "output": text, "error": error, "returncode": rc, "timed_out": self.timed_out,
             "truncated": truncated, "duration_s": time.monotonic() - self.started_at, "data": data,
         })
-
-    async def interrupt(self, collector):
-        """Stop the running command: USR1 to bash, TERM then KILL its processes."""
-        shell = self.shell_pid()
-        if shell:
-            isolation._kill(shell, signal.SIGUSR1)
-        deadline = time.monotonic() + SHELL_GRACE_S
-        sig = signal.SIGTERM
-        term_until = time.monotonic() + TERM_GRACE_S
-        while not collector.done.done() and time.monotonic() < deadline:
-            for pid in self.command_processes():
-                isolation._kill(pid, sig)
-            if time.monotonic() > term_until:
-                sig = signal.SIGKILL
-            try:
-                await asyncio.wait_for(asyncio.shield(collector.done), 0.05)
-            except asyncio.TimeoutError:
-                pass
-        if not collector.done.done():
-            # bash itself is stuck (or ignores the trap): restart it where it was.
-            self.restarted = True
-            self.resume_dir = self.cwd()
-            self.kill()
-            collector.finish(124)
-            await self.stop()
-        else:
-            for pid in self.command_processes():
-                isolation._kill(pid, signal.SIGKILL)
-            await self._flush_job_notices(collector)
-
-    async def _flush_job_notices(self, collector):
-        """Collect bash's notices about the jobs just killed (``... Killed  sleep 100``)
-        into this command's output: bash prints them after the command line it runs
-        when it reaped them, which would otherwise be the next command's."""
-        for _ in range(50):  # at most about 0.5 s for bash (or the slot's init) to reap them
-            if not self.command_processes():
-                break
-            await asyncio.sleep(0.01)
-        if not self.alive:
-            return
-        nonce = os.urandom(4).hex()
-        flush = OutputCollector(nonce.encode(), collector.limit, self.loop)
-        self.collector = flush  # fed by _on_output; completes nothing while interrupting
-        try:
-            self._write((":\n\\builtin printf '\\036%%s 0\\036\\n' %s\n" % nonce).encode())
-            await asyncio.wait_for(asyncio.shield(flush.done), SHELL_GRACE_S)
-        except (OSError, asyncio.TimeoutError):
-            pass
-        finally:
-            self.collector = collector
-        collector.append(bytes(flush.head) + bytes(flush.tail))
 
 
 def protocol_result(error, returncode, output=""):

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import os
 import resource
+import threading
 
 from . import files, isolation, rootfs
 from .shell import Shell
@@ -63,12 +64,19 @@ class SlotRuntime:
                 self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
                 self.uid, self.gid)
         self.ready = False  # directories are made on first use (fast sandbox start)
+        self.root_built = False  # the layered root was mounted once (its standby follows)
+        self._root_lock = threading.Lock()
+        self._pids_fd = None
+        self._pids_seen = None
 
     @property
     def ctl_path(self):
         return isolation.CTL_PATH if self.agent.isolation == "bwrap" else self.ctl_host
 
     def prepare_dirs(self):
+        """Make the slot's control directory (and, without a layered root, its workspace)
+        on first use; cheap, so it runs on the event loop. A layered root is built by
+        :meth:`ensure_root` in a worker thread."""
         if self.ready:
             return
         # The control directory: the agent's (root's), never writable by the slot, so the
@@ -80,18 +88,51 @@ class SlotRuntime:
             os.chmod(self.ctl_host, 0o750)
         else:
             os.chmod(self.ctl_host, 0o755)  # slots run as the agent's own user
-        if self.root is not None:
-            self.root.ensure()  # bounded: a few mounts and the plan's entries (a fork, once)
-            self.agent.layer_work(self.root, None)  # the next tenant's layer, in the background
-            self.ready = True
-            return
-        os.makedirs(self.ws_host, exist_ok=True)
-        self.workspace.wipe()
+        if self.root is None:
+            os.makedirs(self.ws_host, exist_ok=True)
+            self.workspace.wipe()
         self.ready = True
 
-    def pids_events(self):
+    def ensure_root(self):
+        """Build the slot's layered root if it has none mounted (blocking: a few mounts,
+        the plan's entries and a fork; call from a worker thread, never the event loop).
+        After the first mount, the next tenant's standby layer is prepared in the
+        background. No-op without a layered root."""
+        root = self.root
+        if root is None:
+            return
+        with self._root_lock:  # a pre-started shell and a file tool may both come here
+            first = not self.root_built
+            root.ensure()
+            self.root_built = True
+        if first:
+            self.agent.loop.call_soon_threadsafe(self.agent.layer_work, root, None)
+
+    def pids_limit_hit(self):
+        """Whether a fork in the slot failed at its pids limit since this was last asked
+        (one ``pread`` of the cgroup's ``pids.events`` through a descriptor kept open)."""
         cg = self.agent.cgroups
-        return cg.pids_limit_events(self.index) if cg else 0
+        if not cg:
+            return False
+        fd = self._pids_fd
+        if fd is None:
+            path = cg.pids_events_file(self.index)
+            if path is None:
+                return False
+            try:
+                fd = self._pids_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return False
+        try:
+            text = os.pread(fd, 4096, 0)
+        except OSError:
+            return False
+        count = 0
+        for line in text.split(b"\n"):
+            if line.startswith(b"max "):
+                count = int(line[4:] or 0)
+        seen, self._pids_seen = self._pids_seen, count
+        return count > (seen or 0)
 
     def memory_limit_hit(self):
         cg = self.agent.cgroups
@@ -111,7 +152,7 @@ class SlotRuntime:
             if self.gid is not None:
                 os.fchown(fd, 0, self.gid)  # the slot reads it through its group
                 os.fchmod(fd, 0o640)
-            if name in ("cmd", "stdin"):
+            if name in ("cmd", "stdin", "e"):
                 self.ctl_fds[name] = fd
         try:
             done = 0
@@ -166,7 +207,7 @@ class SlotRuntime:
             if self.agent.isolation != "bwrap" and self.uid is not None:
                 # No PID namespace: a process may have left the shell's session (setsid).
                 await self.agent.loop.run_in_executor(
-                    self.agent.file_workers, isolation.purge_uid, self.uid, SHARED_TMP)
+                    self.agent.executor("files"), isolation.purge_uid, self.uid, SHARED_TMP)
             self.close_ctl()
             for name in os.listdir(self.ctl_host):
                 try:
@@ -177,15 +218,15 @@ class SlotRuntime:
         shell.resume_dir = None
         if self.root is None:
             # Off the loop: a slot can make its workspace large (linear, iterative).
-            await self.agent.loop.run_in_executor(self.agent.file_workers, self.workspace.wipe)
+            await self.agent.loop.run_in_executor(self.agent.executor("files"), self.workspace.wipe)
             return
         # Swap to the standby layer (pointers only, whatever the slot wrote); the dropped one
         # is unmounted, renamed and deleted in the background, where the next standby is
         # prepared too. Without a standby ready, a new layer is mounted in a worker thread.
-        if drop or not self.root.mounted:
+        if drop or (self.root_built and not self.root.mounted):  # (else built on first use)
             old = self.root.discard()
             if not self.root.swap():
-                await self.agent.loop.run_in_executor(self.agent.spawner, self.root.ensure)
+                await self.agent.loop.run_in_executor(self.agent.executor("spawn"), self.ensure_root)
             self.agent.layer_work(self.root, old)
 
     def fs_creds(self):

@@ -1,0 +1,118 @@
+"""Floors for the engine benchmark, measured in the same run as the engine's figures.
+
+- a raw persistent bash answering ``echo`` (one shell, one round trip at a time);
+- raw persistent bashes answering trivial commands in rounds (the most calls/s the
+  machine gives bash itself, with no sandbox, agent or host in between);
+- ``bwrap ... true`` started as fast as the machine allows (the floor of a slot shell's
+  start: a bubblewrap sandbox with user and PID namespaces).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+MARK = b"\x1e\n"
+perf = time.perf_counter
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _bash() -> subprocess.Popen:
+    return subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, bufsize=0)
+
+
+def _ask(proc: subprocess.Popen, command: bytes) -> bytes:
+    os.write(proc.stdin.fileno(), command + b"; printf '\\036\\n'\n")
+    out = b""
+    while not out.endswith(MARK):
+        out += os.read(proc.stdout.fileno(), 65536)
+    return out[:-len(MARK)]
+
+
+def raw_bash_echo(n: int, warm: int) -> list[float]:
+    """Round trips (s) of ``echo hi`` to one persistent bash over pipes."""
+    proc = _bash()
+    try:
+        for _ in range(warm):
+            _ask(proc, b"echo hi")
+        xs = []
+        for _ in range(n):
+            t0 = perf()
+            assert _ask(proc, b"echo hi") == b"hi\n"
+            xs.append(perf() - t0)
+        return xs
+    finally:
+        proc.stdin.close()
+        proc.wait()
+
+
+def raw_bash_throughput(shells: int, rounds: int) -> dict[str, Any]:
+    """``shells`` persistent bashes, ``rounds`` rounds of ``echo i`` to each: calls/s and the
+    CPU per call of bash and of this driver (the floor: no sandbox, agent or host)."""
+    procs = [_bash() for _ in range(shells)]
+    sel = selectors.DefaultSelector()
+    for p in procs:
+        os.set_blocking(p.stdout.fileno(), False)
+        sel.register(p.stdout.fileno(), selectors.EVENT_READ, p)
+    for p in procs:  # warm: every shell has run a command
+        os.write(p.stdin.fileno(), b"printf '\\036\\n'\n")
+    _drain(sel, shells)
+    c0, own0 = _children_cpu(), time.process_time()
+    t0 = perf()
+    for i in range(rounds):
+        line = b"echo %d; printf '\\036\\n'\n" % i
+        for p in procs:
+            os.write(p.stdin.fileno(), line)
+        _drain(sel, shells)
+    wall = perf() - t0
+    own = time.process_time() - own0
+    for p in procs:
+        p.stdin.close()
+    for p in procs:
+        p.wait()
+    sel.close()
+    bash = _children_cpu() - c0  # the shells' CPU, counted once they are reaped
+    calls = shells * rounds
+    return {"shells": shells, "calls": calls, "calls_per_s": calls / wall,
+            "cpu_us_per_call": {"bash": bash / calls * 1e6, "driver": own / calls * 1e6}}
+
+
+def _drain(sel: selectors.BaseSelector, n: int) -> None:
+    pending: dict[int, bytes] = {}
+    done = 0
+    while done < n:
+        for key, _ in sel.select():
+            data = pending.get(key.fd, b"") + os.read(key.fd, 65536)
+            if data.endswith(MARK):
+                pending.pop(key.fd, None)
+                done += 1
+            else:
+                pending[key.fd] = data
+
+
+def bwrap_true_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
+    """Start ``n`` ``bwrap --unshare-user --unshare-pid ... true``, ``parallel`` at a time:
+    sandboxes per second (the floor of starting slot shells)."""
+    argv = [bwrap, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc",
+            "--dev", "/dev", "true"]
+
+    def one(_: int) -> int:
+        return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              check=False).returncode
+
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(one, range(min(n, parallel))))  # warm
+        t0 = perf()
+        codes = list(pool.map(one, range(n)))
+        wall = perf() - t0
+    return {"n": n, "parallel": parallel, "per_s": n / wall, "failed": sum(c != 0 for c in codes)}

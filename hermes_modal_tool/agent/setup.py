@@ -1,0 +1,137 @@
+"""The agent's ``init``: the sandbox's configuration, isolation, limits and slots.
+
+Stdlib-only, Python 3.8. Mixed into :class:`.main.Agent`.
+"""
+
+import os
+import resource
+import sys
+
+from .. import protocol
+from . import caps, cgroups, isolation, rootfs, rootplan
+from .heartbeat import Heartbeat
+from .slot import SlotRuntime
+
+
+class Setup:
+    """Mixed into the agent: handles ``init``."""
+
+    def handle_init(self, msg):
+        cfg = msg["config"]
+        self.config = cfg
+        self.workspace_base = cfg["workspace_base"]
+        self.state_dir = cfg["state_dir"]
+        # Control files are rewritten on every command: keep them on tmpfs when we can.
+        self.ctl_root = cfg.get("ctl_root") or os.path.join(self.state_dir, "ctl")
+        self.host_root = cfg.get("host_root") or self.workspace_base
+        self.isolation = cfg.get("isolation", "bwrap")
+        self.bwrap = cfg.get("bwrap")
+        self.network = bool(cfg.get("network", True))
+        self.hide = list(cfg.get("hide", []))
+        # In a container (Modal) the slots see the container's environment (image
+        # variables, Modal secrets) plus the profile's; locally only the profile's.
+        self.env = {}
+        if cfg.get("inherit_env"):
+            self.env.update((k, v) for k, v in os.environ.items() if not k.startswith("PYTHON"))
+        self.env.update(cfg.get("env", {}))
+        self.limit = int(cfg.get("output_limit", 50000))
+        uid_base = cfg.get("uid_base")
+        self.uid_base = uid_base if (uid_base is not None and os.geteuid() == 0) else None
+        isolation_note = ""
+        if self.isolation == "bwrap" and self.bwrap == "auto":
+            # Bubblewrap on top where it works in this container; else each slot keeps
+            # its own uid, 0700 workspace and process group (see SECURITY.md).
+            self.bwrap, isolation_note = isolation.find_working_bwrap(
+                self.env.get("PATH") or os.environ.get("PATH", ""), self.uid_base)
+            if self.bwrap is None:
+                self.isolation = "none"
+        self.workdir = cfg.get("workdir") or None
+        if cfg.get("heartbeat"):
+            self.heartbeat = Heartbeat(self.loop, cfg["heartbeat"]["file"], cfg["heartbeat"]["every"])
+        self.slot_disk_mb = cfg.get("slot_disk") or None
+        self.image_root = cfg.get("image_root") or None  # an unpacked image: the slots' lower
+        self.image_bash = cfg.get("image_bash") or None  # the host's static bash, if needed
+        self.filesystem, filesystem_note = self._choose_filesystem(cfg)
+        limits = dict(cfg.get("limits", {}))
+        self.tmpfs_mb = caps.tmpfs_mb_for(limits)
+        limits.setdefault("sandbox_pids", (limits.get("pids") or 0) * cfg["slots"] + 64
+                          if limits.get("pids") else None)
+        os.makedirs(self.state_dir, exist_ok=True)
+        os.chmod(self.state_dir, 0o711)
+        os.makedirs(self.ctl_root, exist_ok=True)
+        os.chmod(self.ctl_root, 0o711)
+        os.makedirs(self.host_root, exist_ok=True)
+        os.chmod(self.host_root, 0o711)
+        self.cgroups = None
+        limit_mode = "none"
+        reason = ""
+        if cfg.get("cgroups", True):
+            self.cgroups = cgroups.Cgroups(
+                cfg.get("cgroup_name") or "%s-%d" % (cfg.get("sandbox_id", "sandbox"), os.getpid()),
+                limits)
+            limit_mode = self.cgroups.mode
+            reason = self.cgroups.reason
+            if limit_mode == "rlimit":
+                self.cgroups = None
+        self.rlimits = [] if self.cgroups else isolation.rlimits_for(limits, self.uid_base is not None)
+        if not self.cgroups:
+            limit_mode = "rlimit"
+        for i in range(int(cfg["slots"])):
+            self.slots[i] = SlotRuntime(self, i)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+        slot_caps = caps.caps_report(limits, limit_mode, self.filesystem, self.tmpfs_mb, self.slot_disk_mb)
+        return {
+            "protocol": protocol.PROTOCOL_VERSION,
+            "python": "%d.%d.%d" % sys.version_info[:3],
+            "pid": os.getpid(),
+            "isolation": self.isolation,
+            "isolation_note": isolation_note,
+            "limits": limit_mode,
+            "limits_note": reason,
+            "slot_uids": self.uid_base is not None,
+            "abstract_sockets": isolation.scopes.abstract_socket_scope()[1],
+            "slots": len(self.slots),
+            "filesystem": self.filesystem,
+            "filesystem_note": filesystem_note,
+            "caps": slot_caps,
+            "slot_disk": slot_caps["disk"] if self.slot_disk_mb else None,
+        }
+
+    def _choose_filesystem(self, cfg):
+        """``("overlay", "")`` when each slot gets a layered root of its own, else
+        ``("workspace-only", why)``. ``filesystem: overlay`` in the config makes it required."""
+        wanted = cfg.get("filesystem") or "auto"
+        if self.image_root:  # slots on an image need a layered root
+            if wanted == "workspace-only":
+                raise RuntimeError("filesystem: workspace-only cannot run an image")
+            wanted = "overlay"
+        if wanted == "workspace-only":
+            return "workspace-only", "the profile asks for filesystem: workspace-only"
+        if self.isolation != "bwrap" or self.uid_base is None:
+            why = ("slots run without bubblewrap" if self.isolation != "bwrap"
+                   else "the agent is not root, so slots cannot have a uid of their own")
+        else:
+            os.makedirs(self.state_dir, exist_ok=True)
+            why = rootfs.probe(self.state_dir)
+        if why:
+            if wanted == "overlay":
+                raise RuntimeError("%s is not possible here: %s" % (
+                    "an image (the lower layer of a layered root)" if self.image_root
+                    else "filesystem: overlay", why))
+            return "workspace-only", why
+        self.trash_dir = os.path.join(self.state_dir, "trash")
+        for sub in ("fs", "mnt", "trash"):
+            os.makedirs(os.path.join(self.state_dir, sub), mode=0o711, exist_ok=True)
+        hidden = list(self.hide) + [self.state_dir, self.ctl_root]
+        base = self.workspace_base.rstrip("/")
+        if not (base == self.host_root or base.startswith(self.host_root + "/")
+                or self.host_root.startswith(base + "/")):
+            hidden.append(self.host_root)  # workspace-only layout's dirs (not the slots' base)
+        self.upper_plan = rootplan.UpperPlan.for_image(self.image_root) if self.image_root \
+            else rootplan.UpperPlan(hidden, cfg.get("masked") or [],
+                                    bool(cfg.get("hide_host_top", False)))
+        return "overlay", ""

@@ -1,0 +1,277 @@
+"""The processes of a slot's shell: finding them, stopping a command, killing the shell.
+
+Stdlib-only, Python 3.8. Mixed into :class:`.shell.Shell`.
+
+Timeouts: the shell traps SIGUSR1 with ``return 124`` (which ends the sourced
+command even inside a shell loop; never the loop that reads commands, where it has
+nothing to return from, so a signal that comes just as the command ends cannot skip
+the end marker); the agent sends it and kills every process of the command (found in
+the slot's cgroup, else by a scan of /proc) except the shell, its init and background
+jobs (TERM, 0.5 s grace, KILL). If the shell itself does not come back within 5 s it is
+killed and the next command gets a fresh shell in the directory the old one was in.
+"""
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+import time
+
+from . import isolation
+from .output import OutputCollector
+from .procs import slot_level, tree_usage
+
+TERM_GRACE_S = 0.5
+SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replaced
+READY_TIMEOUT_S = 60.0  # a shell not ready by then is killed and its call fails
+#: The header of an empty command (after its nonce): the shell only prints the end marker.
+NOOP = ":"
+
+
+def new_nonce():
+    """8 random hex characters (a command's end-marker nonce), from a buffer refilled
+    every 512 nonces (one ``getrandom`` for many commands)."""
+    buf = _NONCES
+    if not buf:
+        raw = os.urandom(2048).hex()
+        buf.extend(raw[i:i + 8] for i in range(0, len(raw), 8))
+    return buf.pop()
+
+
+_NONCES = []
+
+
+class ShellProcesses:
+    """Mixed into :class:`.shell.Shell`: needs ``slot``, ``loop``, ``proc``, ``collector``,
+    ``info_fd``, ``init_pid``, ``ns_link``, ``bash_pid``, ``eof`` and ``_write``."""
+
+    def _find_bash(self):
+        """Host pid of bash: the bwrap init's only child (or the process itself without bwrap)."""
+        if self.slot.agent.isolation != "bwrap":
+            return self.proc.pid
+        init = self._init()
+        if not init:
+            return None
+        try:
+            with open("/proc/%d/task/%d/children" % (init, init)) as fh:
+                kids = fh.read().split()
+        except OSError:
+            return None
+        return int(kids[0]) if len(kids) == 1 else None
+
+    def usage(self):
+        """``(wants_cpu, cpu_seconds)`` of the shell and what runs in it: whether a process
+        is runnable (R) or in disk wait (D), and the CPU time used since the shell started
+        (by processes still running and by those that ended)."""
+        if not self.ready or self.bash_pid is None:
+            return False, 0.0
+        return tree_usage(self.bash_pid)
+
+    def _reap(self, block):
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=1.0 if block else 0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close_fds(self):
+        for name in ("stdin_fd", "out_fd", "info_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                if name == "out_fd":
+                    try:
+                        self.loop.remove_reader(fd)
+                    except (ValueError, OSError):
+                        pass
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, name, None)
+
+    def _init(self):
+        if self.init_pid is None and self.info_fd is not None:
+            self.init_pid = isolation.read_child_pid(self.info_fd)
+            if self.init_pid:
+                try:
+                    self.ns_link = os.readlink("/proc/%d/ns/pid" % self.init_pid)
+                except OSError:
+                    self.ns_link = None
+        return self.init_pid
+
+    def shell_pid(self):
+        """Host pid of bash itself."""
+        if self.bash_pid is not None and self.alive:
+            return self.bash_pid
+        if self.slot.agent.isolation != "bwrap":
+            return self.proc.pid if self.proc else None
+        self._init()
+        if self.ns_link is None:
+            return None
+        for pid, nspid, _, _ in isolation.ns_processes(ns_link=self.ns_link):
+            if nspid == 2:
+                return pid
+        return None
+
+    def command_processes(self):
+        """Host pids of what the running command started: processes of the slot that
+        began after it did, except bash, init and background jobs' sessions."""
+        keep_sids = set(self.slot.background_sids)
+        since = self.cmd_started
+        cgroups = self.slot.agent.cgroups
+        if self.slot.agent.isolation == "bwrap":
+            self._init()
+            if self.ns_link is None:
+                return []
+            if cgroups:  # the slot's cgroup holds exactly its processes: no scan of all /proc
+                procs = slot_level(cgroups.slot_pids(self.slot.index))
+            else:
+                procs = isolation.ns_processes(ns_link=self.ns_link)
+            return [pid for pid, nspid, nssid, start in procs
+                    if nspid not in (1, 2) and nssid not in keep_sids
+                    and isolation.started_after(pid, start, since)]
+        if self.proc is None:
+            return []
+        procs = isolation.ns_processes(session=self.proc.pid)
+        return [pid for pid, _, _, start in procs
+                if pid != self.proc.pid and isolation.started_after(pid, start, since)]
+
+    def slot_processes(self):
+        """Every process of the slot except bash and init (for a hard reset without namespaces)."""
+        if self.proc is None:
+            return []
+        return [pid for pid, _, _, _ in isolation.ns_processes(session=self.proc.pid)
+                if pid != self.proc.pid]
+
+    def cwd(self):
+        pid = self.shell_pid()
+        if pid is None:
+            return None
+        try:
+            real = os.readlink("/proc/%d/cwd" % pid)
+        except OSError:
+            return None
+        slot = self.slot
+        if slot.agent.isolation == "bwrap":
+            return real  # already in the slot's view
+        return real
+
+    def kill(self):
+        """Kill the shell and every process of the slot (a hard reset).
+
+        With namespaces, killing the slot's init ends every process in its PID
+        namespace; the outer bwrap then reaps it and exits (killing both at once
+        would leave the init as a zombie for PID 1 to reap).
+        """
+        slot = self.slot
+        if self.proc is None:
+            if self.starting is not None:
+                self.kill_on_start = True  # it waits for its turn, or Popen runs in its thread
+            return
+        init = self._init()
+        if init is None and self.info_fd is not None:
+            # Just spawned: bwrap writes the init's pid within milliseconds.
+            select.select([self.info_fd], [], [], 0.2)
+            init = self._init()
+        if init:
+            isolation._kill(init, signal.SIGKILL)
+        else:
+            self._kill_hard()
+        if slot.agent.isolation != "bwrap":
+            for pid in self.slot_processes():
+                isolation._kill(pid, signal.SIGKILL)
+            for sid in slot.background_sids:
+                for pid, _, _, _ in isolation.ns_processes(session=sid):
+                    isolation._kill(pid, signal.SIGKILL)
+
+    def _kill_hard(self):
+        """Kill the outer bwrap, its children and the slot's cgroup (when the init is unknown
+        or does not go away)."""
+        outer = self.proc.pid
+        isolation._kill(outer, signal.SIGKILL)
+        for pid in isolation.children_of(outer):
+            isolation._kill(pid, signal.SIGKILL)
+        if self.slot.agent.cgroups:
+            self.slot.agent.cgroups.kill_slot(self.slot.index)
+
+    async def stop(self):
+        """Kill everything and wait (bounded) until the shell is reaped."""
+        starting = self.starting
+        if starting is not None and starting is not asyncio.current_task():
+            self.kill()  # ends a start in progress (at once, or as soon as Popen returns)
+            try:
+                await asyncio.wait_for(asyncio.shield(starting), READY_TIMEOUT_S)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
+        if self.proc is None:
+            return
+        self.is_ready = False
+        self.kill()
+        if self.eof is not None and not self.eof.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.eof), 2.0)
+            except asyncio.TimeoutError:
+                self._kill_hard()
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.eof), 3.0)
+                except asyncio.TimeoutError:
+                    pass
+        self._reap(block=True)
+        if self.slot.agent.cgroups:
+            self.slot.agent.cgroups.kill_slot(self.slot.index)  # anything that escaped
+        self.close_fds()
+        self.proc = None
+
+    async def interrupt(self, collector):
+        """Stop the running command: USR1 to bash, TERM then KILL its processes."""
+        shell = self.shell_pid()
+        if shell:
+            isolation._kill(shell, signal.SIGUSR1)
+        deadline = time.monotonic() + SHELL_GRACE_S
+        sig = signal.SIGTERM
+        term_until = time.monotonic() + TERM_GRACE_S
+        done = collector.wait()
+        while not done.done() and time.monotonic() < deadline:
+            for pid in self.command_processes():
+                isolation._kill(pid, sig)
+            if time.monotonic() > term_until:
+                sig = signal.SIGKILL
+            try:
+                await asyncio.wait_for(asyncio.shield(done), 0.05)
+            except asyncio.TimeoutError:
+                pass
+        if not done.done():
+            # bash itself is stuck (or ignores the trap): restart it where it was.
+            self.restarted = True
+            self.resume_dir = self.cwd()
+            self.kill()
+            collector.finish(124)
+            await self.stop()
+        else:
+            for pid in self.command_processes():
+                isolation._kill(pid, signal.SIGKILL)
+            await self._flush_job_notices(collector)
+
+    async def _flush_job_notices(self, collector):
+        """Collect bash's notices about the jobs just killed (``... Killed  sleep 100``)
+        into this command's output: bash prints them after the command line it runs
+        when it reaped them, which would otherwise be the next command's."""
+        for _ in range(50):  # at most about 0.5 s for bash (or the slot's init) to reap them
+            if not self.command_processes():
+                break
+            await asyncio.sleep(0.01)
+        if not self.alive:
+            return
+        nonce = new_nonce()
+        flush = OutputCollector(nonce.encode(), collector.limit, self.loop)
+        self.collector = flush  # fed by _on_output; completes nothing while interrupting
+        try:
+            self._write((nonce + NOOP).encode())  # an empty command: just its end marker
+            await asyncio.wait_for(asyncio.shield(flush.wait()), SHELL_GRACE_S)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            self.collector = collector
+        collector.append(bytes(flush.head) + bytes(flush.tail))
