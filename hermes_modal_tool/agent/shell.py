@@ -4,7 +4,7 @@ Stdlib-only, Python 3.8.
 
 How a command runs: the shell reads commands in a loop it is given when it starts::
 
-    while :; do read -r -N 9 __hmt_n; ...; __hmt_f; printf '\\036%s %d\\036\\n' "${__hmt_n:0:8}" "$?"; done
+    while :; do read -r -N 9 __hmt_h; ...; __hmt_n=${__hmt_h:0:8}; __hmt_f; printf '\\036%s %d\\036\\n' "$__hmt_n" "$?"; done
 
 The agent writes the command text to the slot's control file ``cmd`` (one ``pwrite``:
 bash ``source``s it, so ``cd``, ``export``, ``declare`` and functions persist, a
@@ -40,12 +40,12 @@ TRAP = "trap 'return 124 2>/dev/null' USR1\n"
 INIT_LINES = "set +o history 2>/dev/null; shopt -s expand_aliases\n"
 #: The command loop (``@CTL@``: the control directory as the shell sees it). ``read``
 #: interrupted by a trapped signal returns > 128: read again; 1 is the end of stdin.
-LOOP = ("__hmt_f() { case ${__hmt_n:8:1} in n) . @CTL@/cmd </dev/null;; "
+LOOP = ("__hmt_f() { case ${__hmt_h:8:1} in n) . @CTL@/cmd </dev/null;; "
         "s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n"
         "readonly -f __hmt_f\n"
-        "while :; do \\builtin read -r -N 9 __hmt_n; case $? in 0) ;; 1) \\builtin exit;; "
-        "*) \\builtin continue;; esac; __hmt_f; "
-        "\\builtin printf '\\036%s %d\\036\\n' \"${__hmt_n:0:8}\" \"$?\"; done\n")
+        "while :; do \\builtin read -r -N 9 __hmt_h; case $? in 0) ;; 1) \\builtin exit;; "
+        "*) \\builtin continue;; esac; __hmt_n=${__hmt_h:0:8}; __hmt_f; "
+        "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"; done\n")
 #: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
 #: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
 SPAWN_THREADS = 4

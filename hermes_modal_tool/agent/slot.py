@@ -222,11 +222,11 @@ class SlotRuntime:
             return
         # Swap to the standby layer (pointers only, whatever the slot wrote); the dropped one
         # is unmounted, renamed and deleted in the background, where the next standby is
-        # prepared too. Without a standby ready, a new layer is mounted in a worker thread.
-        if drop or (self.root_built and not self.root.mounted):  # (else built on first use)
+        # prepared too. Without a standby ready, the reset does not wait for one: the next
+        # shell (started right after the reset) or file tool builds it (ensure_root).
+        if drop:
             old = self.root.discard()
-            if not self.root.swap():
-                await self.agent.loop.run_in_executor(self.agent.executor("spawn"), self.ensure_root)
+            self.root.swap()
             self.agent.layer_work(self.root, old)
 
     def fs_creds(self):
