@@ -21,9 +21,12 @@ from .errors import (
     SandboxError,
     SandboxStartError,
     SecretNotFoundError,
+    SetupError,
+    SnapshotError,
     UsageError,
 )
 from .slots import ExecutionResult, Slot, SlotState, ToolResult
+from .snapshots import SlotSnapshot
 
 __version__ = "0.1.0"
 
@@ -44,8 +47,11 @@ __all__ = [
     "SandboxError",
     "SandboxStartError",
     "SecretNotFoundError",
+    "SetupError",
     "Slot",
+    "SlotSnapshot",
     "SlotState",
+    "SnapshotError",
     "ToolBackend",
     "ToolResult",
     "UsageError",

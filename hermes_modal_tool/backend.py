@@ -30,6 +30,7 @@ from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .pool import SandboxPool
 from .slots import ExecutionResult, Slot
+from .snapshots import SlotSnapshot, Snapshots
 
 
 class ToolBackend:
@@ -101,6 +102,7 @@ class ToolBackend:
         self._started = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._snapshots = Snapshots(self)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -248,13 +250,17 @@ class ToolBackend:
         return pool
 
     # -- slots -------------------------------------------------------------------------
-    async def acquire(self, trajectory_id: str | None = None, profile: str | None = None) -> Slot:
+    async def acquire(self, trajectory_id: str | None = None, profile: str | None = None,
+                      snapshot: SlotSnapshot | None = None) -> Slot:
         """Lease a slot (empty workspace, fresh shell) for a trajectory.
 
         Args:
             trajectory_id: who holds it (shown in status and pool-timeout errors);
                 None: a new id (``"traj-"`` and 12 hex digits), as the original did.
-            profile: which profile's pool (default: ``default_profile``).
+            profile: which profile's pool (default: ``default_profile``; with a
+                ``snapshot``, the snapshot's).
+            snapshot: start the slot from this snapshot (``fork(snapshot, 1)``): its
+                files, working directory, exported variables, functions and aliases.
 
         Raises:
             PoolTimeoutError: no slot became free within the profile's ``acquire_timeout_s``.
@@ -265,6 +271,11 @@ class ToolBackend:
         self._check_open()
         if trajectory_id is not None and not isinstance(trajectory_id, str):
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
+        if snapshot is not None:
+            if profile is not None and isinstance(snapshot, SlotSnapshot) and profile != snapshot.profile:
+                raise UsageError(f"snapshot {snapshot.snapshot_id} belongs to profile "
+                                 f"{snapshot.profile!r}, not {profile!r}")
+            return (await self.fork(snapshot, 1, None if trajectory_id is None else [trajectory_id]))[0]
         if profile is not None and not isinstance(profile, str):
             raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
         pool = await self._pool(self.profile(profile).name)
@@ -287,6 +298,58 @@ class ToolBackend:
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
         await pool.release(slot, reset_workspace=reset_workspace)
+
+    # -- snapshots and forks (see hermes_modal_tool/snapshots.py) ----------------------
+    async def snapshot(self, slot: Slot) -> SlotSnapshot:
+        """Freeze a slot's state into an immutable snapshot held by its sandbox.
+
+        The state is the slot's files (its whole writable root) and its shell's working
+        directory, exported variables, functions and aliases. The slot keeps running
+        from the same state, but its processes are restarted: background jobs are not
+        part of a snapshot and are stopped by it. Costs a shell restart, whatever the
+        size of the state. The caller holds the snapshot until :meth:`release_snapshot`.
+
+        Raises:
+            UsageError: the slot is not held.
+            SnapshotError: the slots of this profile have no layered root
+                (``filesystem: workspace-only``), or the sandbox's snapshots would pass
+                the profile's ``snapshot_disk`` cap (MiB).
+        """
+        self._check_open()
+        return await self._snapshots.snapshot(slot)
+
+    async def fork(self, slot_or_snapshot: Slot | SlotSnapshot, n: int,
+                   trajectory_ids: list[str] | None = None) -> list[Slot]:
+        """``n`` new slots starting from a slot's current state or a snapshot.
+
+        Each fork gets its own empty writable layer stacked on the frozen state, so a
+        fork costs a few mounts whatever the size of the state; what a fork writes no
+        other slot sees. Forks go to free slots of a sandbox holding the snapshot first,
+        then to other sandboxes of the profile (the frozen layer is copied there once).
+        Forking a slot takes a snapshot of it first (which restarts its processes, see
+        :meth:`snapshot`) and lets the forks hold it.
+
+        Args:
+            slot_or_snapshot: a held :class:`Slot`, or a :class:`SlotSnapshot`.
+            n: how many forks (>= 1).
+            trajectory_ids: one id per fork (default: new ``traj-...`` ids).
+
+        Returns:
+            ``n`` held slots, released with :meth:`release` like any other.
+
+        Raises:
+            UsageError: bad arguments, a released snapshot, a slot not held.
+            SnapshotError: the snapshot could not be taken, moved or stacked.
+            PoolTimeoutError: not enough slots became free within ``acquire_timeout_s``.
+        """
+        self._check_open()
+        return await self._snapshots.fork(slot_or_snapshot, n, trajectory_ids)
+
+    async def release_snapshot(self, snapshot: SlotSnapshot) -> None:
+        """Let go of a snapshot (idempotent). Its files are deleted once no slot forked
+        from it is held either."""
+        self._check_open()
+        await self._snapshots.release(snapshot)
 
     # -- execution ---------------------------------------------------------------------
     async def execute_batch(
@@ -457,8 +520,10 @@ class ToolBackend:
         ``total_slots``, ``available_slots``, ``acquired_slots``,
         ``slots_per_sandbox`` (of the default profile, else the first),
         ``default_profile``, ``profiles``, ``active_pools``,
-        ``waiting_acquires``, ``calls_per_second``, ``failures``, and per pool the
-        isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
+        ``waiting_acquires``, ``calls_per_second``, ``failures``, ``snapshots`` (each
+        live snapshot: id, profile, sandboxes holding a copy, ``size_bytes``,
+        ``holders``), and per pool the isolation and limit mode (``cgroup-v1``,
+        ``cgroup-v2`` or ``rlimit``).
         Secret values never appear here.
         """
         pools = {name: pool.status() for name, pool in self._pools.items()}
@@ -476,6 +541,7 @@ class ToolBackend:
             "active_pools": list(self._pools),
             "drivers": {name: d.describe() for name, d in self._drivers.items()},
             "closed": self._closed,
+            "snapshots": self._snapshots.status(),
             "pools": pools,
         }
 

@@ -22,7 +22,7 @@ import sys
 import time
 
 from .. import protocol
-from . import admission, files, filetools, isolation, rootfs, rootplan
+from . import admission, files, filetools, isolation, rootfs, rootplan, snapshots
 from .diskwatch import DISK_WATCH_S, DiskWatch
 from .slot import SlotRuntime
 
@@ -100,6 +100,8 @@ class Agent(DiskWatch):
             self.reply(mid, self.handle_status, msg)
         elif op == "shutdown":
             self.own(self.shutdown(mid))
+        elif op in snapshots.OPS:
+            snapshots.dispatch(self, msg)
         else:
             self.send({"id": mid, "ok": False, "error": "unknown op %r; known: %s"
                        % (op, ", ".join(protocol.OPS))})

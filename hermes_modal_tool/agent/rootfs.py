@@ -53,6 +53,7 @@ CLONE_NEWNS = 0x20000
 CLONE_NEWUSER = 0x10000000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+MS_RDONLY = 0x1
 MNT_DETACH = 2
 RESOLVE_NO_XDEV = 0x1
 RESOLVE_NO_MAGICLINKS = 0x2
@@ -117,8 +118,10 @@ def enter_private_mount_namespace():
     _check(lib.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
 
 
-def userns_fd(uid, gid):
-    """A user namespace mapping 0 -> ``uid``/``gid`` (one id), as an fd; made by a child."""
+def userns_fd(uid, gid, inside=0):
+    """A user namespace mapping ``inside`` -> ``uid``/``gid`` (one id), as an fd; made by a
+    child. An idmapped mount made with it shows files owned by ``inside`` on disk as
+    owned by ``uid``."""
     lib = libc()
     go_r, go_w = os.pipe()
     ready_r, ready_w = os.pipe()
@@ -138,11 +141,11 @@ def userns_fd(uid, gid):
         if os.read(ready_r, 1) != b"1":
             raise OSError(errno.EPERM, "cannot create a user namespace for the idmapped mount")
         with open("/proc/%d/uid_map" % pid, "w") as fh:
-            fh.write("0 %d 1" % uid)
+            fh.write("%d %d 1" % (inside, uid))
         with open("/proc/%d/setgroups" % pid, "w") as fh:
             fh.write("deny")
         with open("/proc/%d/gid_map" % pid, "w") as fh:
-            fh.write("0 %d 1" % gid)
+            fh.write("%d %d 1" % (inside, gid))
         return os.open("/proc/%d/ns/user" % pid, os.O_RDONLY | os.O_CLOEXEC)
     finally:
         os.close(go_w)
@@ -172,6 +175,12 @@ def mount_overlay(lower, upper, work, target):
     opts = "lowerdir=%s,upperdir=%s,workdir=%s,volatile" % (lower, upper, work)
     _check(libc().mount(b"overlay", os.fsencode(target), b"overlay", 0, os.fsencode(opts)),
            "mount overlay at %s" % target)
+
+
+def mount_overlay_readonly(lowers, target):
+    """A read-only overlay of ``lowers`` (``a:b:...``, top first) at ``target``."""
+    _check(libc().mount(b"overlay", os.fsencode(target), b"overlay", MS_RDONLY,
+                        os.fsencode("lowerdir=%s" % lowers)), "mount overlay at %s" % target)
 
 
 def umount(target):
@@ -211,10 +220,12 @@ class _Layer:
     """One writable layer set of a slot and where it is mounted: ``dir/upper``, ``dir/work``
     for ``/`` and ``dir/layers/N/...`` for the other mounts; ``dir/merged`` is the root."""
 
-    def __init__(self, path):
+    def __init__(self, path, stack=None):
         self.dir = path
         self.merged = os.path.join(path, "merged")
         self.mounted = []  # overlay mount points, in mount order
+        self.stack = stack  # the frozen layer (snapshot) this one sits on, or None
+        self.lower_mounts = []  # idmapped mounts of frozen layers (unmounted after the overlays)
 
     def dirs(self, i):
         top = self.dir if i == 0 else os.path.join(self.dir, "layers", str(i))
@@ -248,6 +259,7 @@ class SlotRoot:
         self.standby = None
         self._lowers = []  # attached idmapped lowers, one per plan mount
         self._seq = 0
+        self._userns = {}  # on-disk owner uid -> user namespace fd mapping it to this slot's uid
         self._lock = threading.Lock()  # guards active/standby (held only for pointer swaps)
         self._lower_lock = threading.Lock()  # guards the lowers and layer numbering
 
@@ -309,54 +321,142 @@ class SlotRoot:
 
     def retire(self, layer):
         """Unmount a dropped layer and move it to the trash; return the path to delete."""
-        for target in reversed(layer.mounted):
-            umount(target)
-        layer.mounted = []
+        _unmount_layer(layer)
         dest = os.path.join(self.trash, "%s-%s" % (os.path.basename(self.base),
                                                    os.path.basename(layer.dir)))
         os.rename(layer.dir, dest)
         return dest
 
-    def _build(self):
-        mounts = self.plan.mounts
+    def _attach_lowers(self):
+        """Attach the idmapped lowers once (caller holds ``_lower_lock``)."""
+        if self._lowers:
+            return
+        os.makedirs(self.base, mode=0o700, exist_ok=True)
+        os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds from here
+        ns = userns_fd(self.uid, self.gid)
+        try:
+            lowers = []
+            for i, mount in enumerate(self.plan.mounts):
+                target = os.path.join(self.lower, str(i))
+                os.makedirs(target, mode=0o700, exist_ok=True)
+                mount_idmapped(mount, target, ns)
+                lowers.append(target)
+            self._lowers = lowers
+        finally:
+            os.close(ns)
+
+    def _new_layer(self, stack=None):
         with self._lower_lock:
-            if not self._lowers:
-                os.makedirs(self.base, mode=0o700, exist_ok=True)
-                os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds from here
-                ns = userns_fd(self.uid, self.gid)
-                try:
-                    lowers = []
-                    for i, mount in enumerate(mounts):
-                        target = os.path.join(self.lower, str(i))
-                        os.makedirs(target, mode=0o700, exist_ok=True)
-                        mount_idmapped(mount, target, ns)
-                        lowers.append(target)
-                    self._lowers = lowers
-                finally:
-                    os.close(ns)
+            self._attach_lowers()
             self._seq += 1
-            layer = _Layer(os.path.join(self.base, "layer-%d" % self._seq))
+            layer = _Layer(os.path.join(self.base, "layer-%d" % self._seq), stack)
         os.mkdir(layer.dir, 0o700)
         os.chown(layer.dir, self.uid, self.gid)
-        uppers = {}
-        for i, mount in enumerate(mounts):
+        for i in range(len(self.plan.mounts)):
             upper, work = layer.dirs(i)
             os.makedirs(os.path.dirname(upper), mode=0o700, exist_ok=True)
             for path in (upper, work):
                 os.mkdir(path, 0o700)
-            uppers[mount] = upper
-        self.plan.apply(uppers, self.uid, self.gid, self.dirs)
+        return layer
+
+    def _mount(self, layer, lowers):
+        """Mount the layer's overlays; ``lowers[i]`` is mount ``i``'s lowerdir option."""
         os.mkdir(layer.merged, 0o755)
         try:
-            for i, mount in enumerate(mounts):
+            for i, mount in enumerate(self.plan.mounts):
                 upper, work = layer.dirs(i)
                 target = layer.merged if mount == "/" else layer.merged + mount
-                mount_overlay(self._lowers[i], upper, work, target)
+                mount_overlay(lowers[i], upper, work, target)
                 layer.mounted.append(target)
         except OSError:
-            for target in reversed(layer.mounted):
-                umount(target)
+            _unmount_layer(layer)
             raise
+        return layer
+
+    def _build(self):
+        layer = self._new_layer()
+        uppers = {mount: layer.dirs(i)[0] for i, mount in enumerate(self.plan.mounts)}
+        self.plan.apply(uppers, self.uid, self.gid, self.dirs)
+        return self._mount(layer, self._lowers)
+
+    # -- snapshots (see agent/snapshots.py) ------------------------------------------
+    def build_on(self, chain):
+        """A new, empty writable layer stacked on frozen layers (not yet in use).
+
+        ``chain`` is ``[(directory, owner uid on disk), ...]``, the top frozen layer first;
+        each directory is a frozen layer's (``upper`` and ``layers/N/upper`` as in a
+        layer). The overlay's lowers are those uppers (idmapped so that their owner shows as
+        this slot's uid when another slot wrote them) over the sandbox's root, so the cost
+        is a few mounts per frozen layer, whatever the size of the state. The plan is not
+        applied again: the frozen layers hold it already.
+        """
+        layer = self._new_layer(stack=True)
+        try:
+            per_mount = []
+            for i, mount in enumerate(self.plan.mounts):
+                upper = layer.dirs(i)[0]
+                os.chown(upper, self.uid, self.gid)
+                os.chmod(upper, 0o755 if mount == "/" else stat.S_IMODE(os.stat(mount).st_mode))
+                parts = []
+                for k, (fdir, owner) in enumerate(chain):
+                    src = _Layer(fdir).dirs(i)[0]
+                    if owner == self.uid:
+                        parts.append(src)
+                        continue
+                    target = os.path.join(layer.dir, "lower", "%d-%d" % (k, i))
+                    os.makedirs(target, mode=0o700)
+                    mount_idmapped(src, target, self._ns_for(owner))
+                    layer.lower_mounts.append(target)
+                    parts.append(target)
+                # A lower inside another lower's tree is refused (ELOOP: overlapping
+                # layers), and the root lower holds every directory of its file system:
+                # the frozen layers are joined in a read-only overlay of their own first
+                # (another file system), whose root is the stack's middle layer.
+                empty = os.path.join(self.base, "empty")
+                if not os.path.isdir(empty):
+                    os.mkdir(empty, 0o755)
+                parts.append(empty)  # a read-only overlay needs two lowers
+                inner = os.path.join(layer.dir, "lower", "stack-%d" % i)
+                os.makedirs(inner, mode=0o700)
+                mount_overlay_readonly(":".join(parts), inner)
+                layer.lower_mounts.append(inner)
+                per_mount.append(inner + ":" + self._lowers[i])
+            for d in self.dirs:  # this slot's own workspace and workdir (merged with the frozen ones)
+                if d and d != "/":
+                    mount, rel = self.plan.layer_of(d)
+                    upper = layer.dirs(self.plan.mounts.index(mount))[0]
+                    self.plan._parents(upper, mount, rel, self.uid, self.gid, create_mode=0o755)
+            return self._mount(layer, per_mount)
+        except OSError:
+            _unmount_layer(layer)
+            raise
+
+    def _ns_for(self, owner):
+        with self._lower_lock:
+            fd = self._userns.get(owner)
+            if fd is None:
+                fd = self._userns[owner] = userns_fd(self.uid, self.gid, inside=owner)
+            return fd
+
+    def install(self, layer):
+        """Use ``layer`` from now on; return the layer it replaces (or None) for
+        :meth:`retire`. The slot's processes must be gone."""
+        with self._lock:
+            old, self.active = self.active, layer
+            return old
+
+    def freeze(self):
+        """Stop using the active layer and unmount it, keeping its files; return it.
+
+        The slot's processes must be gone (a running process would keep the upper in use
+        through its own mount namespace: an overlay's upper must not change while it is
+        mounted). The layer's directory is the frozen state: never written again.
+        """
+        with self._lock:
+            layer, self.active = self.active, None
+        if layer is None:
+            raise OSError(errno.ENOENT, "the slot has no layer in use to freeze")
+        _unmount_layer(layer)
         return layer
 
     def point_current(self):
@@ -378,13 +478,14 @@ class SlotRoot:
         with self._lock:
             for layer in (self.active, self.standby):
                 if layer is not None:
-                    for target in reversed(layer.mounted):
-                        umount(target)
-                    layer.mounted = []
+                    _unmount_layer(layer)
             self.active = self.standby = None
             for target in reversed(self._lowers):
                 umount(target)
             self._lowers = []
+            for fd in self._userns.values():
+                os.close(fd)
+            self._userns = {}
 
     def usage_bytes(self):
         """Bytes the slot has written (its writable layer's blocks); linear in its files."""
@@ -408,6 +509,15 @@ class SlotRoot:
             except OSError:
                 continue
         return total
+
+
+def _unmount_layer(layer):
+    for target in reversed(layer.mounted):
+        umount(target)
+    layer.mounted = []
+    for target in reversed(layer.lower_mounts):
+        umount(target)
+    layer.lower_mounts = []
 
 
 def probe(state_dir):

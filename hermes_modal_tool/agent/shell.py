@@ -336,6 +336,8 @@ class Shell:
         self.ready_collector = OutputCollector(nonce.encode(), 4096, self.loop)
         runners = "|".join(shell_quote(p) for p in (self.runner, self.stdin_runner))
         start = TRAP.replace("@RUNNERS@", runners.replace("'", "'\\''")) + INIT_LINES  # in '...'
+        if self.slot.replay:  # a snapshot's shell state (agent/snapshots.py)
+            start += ". %s 2>/dev/null\n" % shell_quote(self.slot.replay)
         if self.resume_dir:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
             self.resume_dir = None

@@ -8,7 +8,7 @@ import collections
 import os
 import resource
 
-from . import files, isolation, rootfs
+from . import files, isolation, rootfs, snapshots
 from .shell import Shell
 
 
@@ -31,6 +31,7 @@ class SlotRuntime:
         self.dirty = False  # a call ran since the last reset
         self.rlimits = []  # the slot's own (on top of the sandbox's)
         self.start_dir = self.ws_path
+        self.replay = self.replay_text = None  # shell state from a snapshot (agent/snapshots.py)
         if agent.filesystem == "overlay":
             self.root = rootfs.SlotRoot(
                 os.path.join(agent.state_dir, "fs", "slot_%d" % index),
@@ -168,6 +169,9 @@ class SlotRuntime:
                     pass
         self.background_sids = []
         shell.resume_dir = None
+        self.replay = self.replay_text = None
+        if self.root is not None:
+            self.workspace.cwd = self.ws_path
         if self.root is None:
             # Off the loop: a slot can make its workspace large (linear, iterative).
             await self.agent.loop.run_in_executor(self.agent.file_workers, self.workspace.wipe)
@@ -177,6 +181,8 @@ class SlotRuntime:
         # prepared too. Without a standby ready, a new layer is mounted in a worker thread.
         if drop or not self.root.mounted:
             old = self.root.discard()
+            if old is not None and old.stack is not None:
+                snapshots.store(self.agent).layer_gone(old)  # a fork's or snapshot's layer
             if not self.root.swap():
                 await self.agent.loop.run_in_executor(self.agent.spawner, self.root.ensure)
             self.agent.layer_work(self.root, old)
