@@ -29,6 +29,7 @@ from .drivers import make_driver
 from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .pool import SandboxPool
+from .shared_setup import SharedSetups
 from .slots import ExecutionResult, Slot
 from .snapshots import SlotSnapshot, Snapshots
 
@@ -103,6 +104,7 @@ class ToolBackend:
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._snapshots = Snapshots(self)
+        self._setups = SharedSetups(self)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -189,6 +191,7 @@ class ToolBackend:
             return
         self._check_open()  # on the backend's own loop
         self._closed = True
+        await self._setups.close()
         await asyncio.gather(*(p.stop() for p in self._pools.values()), return_exceptions=True)
         await asyncio.gather(*(d.aclose() for d in self._drivers.values()), return_exceptions=True)
         if purge:
@@ -251,7 +254,8 @@ class ToolBackend:
 
     # -- slots -------------------------------------------------------------------------
     async def acquire(self, trajectory_id: str | None = None, profile: str | None = None,
-                      snapshot: SlotSnapshot | None = None) -> Slot:
+                      snapshot: SlotSnapshot | None = None,
+                      setup: str | list[str] | None = None) -> Slot:
         """Lease a slot (empty workspace, fresh shell) for a trajectory.
 
         Args:
@@ -261,6 +265,8 @@ class ToolBackend:
                 ``snapshot``, the snapshot's).
             snapshot: start the slot from this snapshot (``fork(snapshot, 1)``): its
                 files, working directory, exported variables, functions and aliases.
+            setup: commands the slot starts after (default: the profile's ``setup``):
+                run once per content key (see :meth:`setup_snapshot`), then forked.
 
         Raises:
             PoolTimeoutError: no slot became free within the profile's ``acquire_timeout_s``.
@@ -275,6 +281,11 @@ class ToolBackend:
             if profile is not None and isinstance(snapshot, SlotSnapshot) and profile != snapshot.profile:
                 raise UsageError(f"snapshot {snapshot.snapshot_id} belongs to profile "
                                  f"{snapshot.profile!r}, not {profile!r}")
+            return (await self.fork(snapshot, 1, None if trajectory_id is None else [trajectory_id]))[0]
+        if setup is None:
+            setup = self.profile(profile).setup
+        if setup:
+            snapshot = await self.setup_snapshot(setup, profile)
             return (await self.fork(snapshot, 1, None if trajectory_id is None else [trajectory_id]))[0]
         if profile is not None and not isinstance(profile, str):
             raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
@@ -344,6 +355,21 @@ class ToolBackend:
         """
         self._check_open()
         return await self._snapshots.fork(slot_or_snapshot, n, trajectory_ids)
+
+    async def setup_snapshot(self, setup: str | list[str], profile: str | None = None) -> SlotSnapshot:
+        """The snapshot of a slot of ``profile`` after ``setup`` (commands run in order in
+        one fresh slot, each in the shell the previous left). Keyed by content (sha256 of
+        the commands, the profile and its image): the first request for a key runs it,
+        concurrent ones wait for that run, later ones get its snapshot at once. The
+        backend holds it until ``stop()``; fork from it, do not release it.
+
+        Raises:
+            SetupError: a command failed (``.output`` is what the setup printed); every
+                waiter gets it and the next request runs the setup again.
+            UsageError: ``setup`` is not a command or a list of commands.
+        """
+        self._check_open()
+        return await self._setups.snapshot_for(setup, profile)
 
     async def release_snapshot(self, snapshot: SlotSnapshot) -> None:
         """Let go of a snapshot (idempotent). Its files are deleted once no slot forked
@@ -542,6 +568,7 @@ class ToolBackend:
             "drivers": {name: d.describe() for name, d in self._drivers.items()},
             "closed": self._closed,
             "snapshots": self._snapshots.status(),
+            "setups": self._setups.status(),
             "pools": pools,
         }
 
