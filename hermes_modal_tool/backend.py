@@ -21,7 +21,7 @@ import asyncio
 import os
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -370,6 +370,31 @@ class ToolBackend:
         """
         self._check_open()
         return await self._setups.snapshot_for(setup, profile)
+
+    def export_snapshot(self, snapshot: SlotSnapshot) -> AsyncIterator[bytes]:
+        """A snapshot as a tar stream: an async iterator of chunks (bytes, up to 4 MiB each)
+        for :meth:`import_snapshot` here or in another backend, machine or driver (also
+        the shape of the OpenAI Agents SDK's ``persist_workspace``).
+
+        Raises:
+            UsageError: a released snapshot or one of another backend.
+            SnapshotError: (while iterating) the sandbox holding it failed or is gone.
+        """
+        self._check_open()
+        return self._snapshots.export(snapshot)
+
+    async def import_snapshot(self, data: bytes | Iterable[bytes] | AsyncIterable[bytes],
+                              profile: str | None = None) -> SlotSnapshot:
+        """A snapshot from a tar stream made by :meth:`export_snapshot` (bytes, or an
+        iterable or async iterable of chunks), held by a sandbox of ``profile``; the
+        caller holds it (:meth:`release_snapshot`).
+
+        Raises:
+            SnapshotError: the stream is not a snapshot, is damaged, or comes from slots
+                with other layer roots (another image).
+        """
+        self._check_open()
+        return await self._snapshots.import_(data, profile)
 
     async def release_snapshot(self, snapshot: SlotSnapshot) -> None:
         """Let go of a snapshot (idempotent). Its files are deleted once no slot forked

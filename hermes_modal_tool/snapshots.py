@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import time
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -231,6 +232,33 @@ class Snapshots:
                                                pool.config.snapshot_disk * 1024 * 1024)
         snap._copies[sb.sandbox_id] = agent_id
         return agent_id
+
+    # -- export and import -------------------------------------------------------------
+    def export(self, snap: SlotSnapshot) -> AsyncIterator[bytes]:
+        from . import transfer
+
+        snap = self._check(snap)
+        pool = self.backend._pools.get(snap.profile)
+        for sid, agent_id in snap._copies.items():
+            sb = pool._sandboxes.get(sid) if pool is not None else None
+            if sb is not None and not sb.dead:
+                return transfer.export_chunks(self, sb, agent_id)
+        raise SnapshotError(f"snapshot {snap.snapshot_id}: no sandbox holding it is running")
+
+    async def import_(self, data: Any, profile: str | None) -> SlotSnapshot:
+        from . import transfer
+
+        pool = await self.backend._pool(self.backend.profile(profile).name)
+        sb = next((s for s in pool._sandboxes.values() if not s.dead), None)
+        if sb is None:  # start one: lease a slot and give it back
+            slot = await pool.acquire("import-snapshot")
+            sb = pool.record_of(slot).sandbox
+            await pool.release(slot)
+        reply = await transfer.import_chunks(self, sb, data)
+        snap = SlotSnapshot(f"snap-{next(_SEQ)}", pool.name, sb.sandbox_id, int(reply["size_bytes"]))
+        snap._copies[sb.sandbox_id] = reply["snapshot"]
+        self.live[snap.snapshot_id] = snap
+        return snap
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> list[dict[str, Any]]:

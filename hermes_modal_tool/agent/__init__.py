@@ -28,6 +28,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),
     ("hermes_modal_tool.agent.admission", "agent/admission.py"),
     ("hermes_modal_tool.agent.snapshots", "agent/snapshots.py"),
+    ("hermes_modal_tool.agent.transfer", "agent/transfer.py"),
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),
     ("hermes_modal_tool.agent.slot", "agent/slot.py"),
     ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),

@@ -122,6 +122,16 @@ def userns_fd(uid, gid, inside=0):
     """A user namespace mapping ``inside`` -> ``uid``/``gid`` (one id), as an fd; made by a
     child. An idmapped mount made with it shows files owned by ``inside`` on disk as
     owned by ``uid``."""
+    with _USERNS_LOCK:
+        return _userns_fd(uid, gid, inside)
+
+
+#: One namespace child at a time: a child made meanwhile by another thread would inherit
+#: this one's pipe ends (no exec closes them) and each could wait for the other forever.
+_USERNS_LOCK = threading.Lock()
+
+
+def _userns_fd(uid, gid, inside):
     lib = libc()
     go_r, go_w = os.pipe()
     ready_r, ready_w = os.pipe()
@@ -262,6 +272,7 @@ class SlotRoot:
         self._userns = {}  # on-disk owner uid -> user namespace fd mapping it to this slot's uid
         self._lock = threading.Lock()  # guards active/standby (held only for pointer swaps)
         self._lower_lock = threading.Lock()  # guards the lowers and layer numbering
+        self._ns_lock = threading.Lock()  # guards _userns
 
     @property
     def merged(self):
@@ -432,7 +443,7 @@ class SlotRoot:
             raise
 
     def _ns_for(self, owner):
-        with self._lower_lock:
+        with self._ns_lock:
             fd = self._userns.get(owner)
             if fd is None:
                 fd = self._userns[owner] = userns_fd(self.uid, self.gid, inside=owner)
