@@ -456,6 +456,14 @@ class SlotRoot:
             old, self.active = self.active, layer
             return old
 
+    def keep_standby(self, layer):
+        """Keep an unused ``layer`` as the standby one if there is none; True if kept."""
+        with self._lock:
+            if self.standby is None:
+                self.standby = layer
+                return True
+        return False
+
     def freeze(self):
         """Stop using the active layer and unmount it, keeping its files; return it.
 

@@ -69,6 +69,17 @@ class SlotRuntime:
     def prepare_dirs(self):
         if self.ready:
             return
+        self.prepare_ctl()
+        if self.root is not None:
+            self.root.ensure()  # bounded: a few mounts and the plan's entries (a fork, once)
+            self.agent.layer_work(self.root, None)  # the next tenant's layer, in the background
+            self.ready = True
+            return
+        os.makedirs(self.ws_host, exist_ok=True)
+        self.workspace.wipe()
+        self.ready = True
+
+    def prepare_ctl(self):
         # The control directory: the agent's (root's), never writable by the slot, so the
         # agent never creates a file where the slot could plant a link; readable and
         # enterable by the slot's group only (other local users see nothing).
@@ -78,14 +89,6 @@ class SlotRuntime:
             os.chmod(self.ctl_host, 0o750)
         else:
             os.chmod(self.ctl_host, 0o755)  # slots run as the agent's own user
-        if self.root is not None:
-            self.root.ensure()  # bounded: a few mounts and the plan's entries (a fork, once)
-            self.agent.layer_work(self.root, None)  # the next tenant's layer, in the background
-            self.ready = True
-            return
-        os.makedirs(self.ws_host, exist_ok=True)
-        self.workspace.wipe()
-        self.ready = True
 
     def pids_events(self):
         cg = self.agent.cgroups

@@ -183,11 +183,18 @@ def _slot(agent, msg):
     return slot
 
 
-async def _claim(slot, mid):
-    """Wait until the slot runs nothing, then hold it (calls queue behind)."""
+async def _claim(slot, mid, prepare=True):
+    """Wait until the slot runs nothing, then hold it (calls queue behind). Without
+    ``prepare`` the slot's root is not mounted first (a fork replaces it anyway)."""
     while slot.busy:
         await slot.idle.wait()
-    slot.set_busy(mid)
+    if prepare:
+        slot.set_busy(mid)
+    else:
+        slot.prepare_ctl()
+        slot.busy = True
+        slot.current = mid
+        slot.idle.clear()
 
 
 async def capture_state(slot):
@@ -228,11 +235,12 @@ async def _stack(agent, slot, frozen, state):
         raise
     layer.stack = frozen
     old = slot.root.install(layer)
+    slot.ready = True
+    if old is not None and old.stack is None and not slot.dirty and slot.root.keep_standby(old):
+        old = None  # a fresh layer nobody used: the next tenant's
     if old is not None:
         store(agent).layer_gone(old)
-        agent.layer_work(slot.root, old)
-    else:
-        agent.layer_work(slot.root, None)
+    agent.layer_work(slot.root, old)
     slot.dirty = True  # a reset drops this layer
     if frozen.home:
         slot.workspace.cwd = frozen.home  # relative paths of file tools: as in the parent
@@ -273,12 +281,13 @@ async def fork(agent, msg):
     """``{"slot": N, "snapshot": id}``: slot N (free, just reset) starts from the snapshot."""
     slot = _slot(agent, msg)
     frozen = store(agent).get(msg.get("snapshot"))
-    await _claim(slot, msg.get("id"))
+    await _claim(slot, msg.get("id"), prepare=False)
     try:
         await _stop_processes(agent, slot)
         slot.background_sids = []
         await _stack(agent, slot, frozen, frozen.state)
     finally:
         slot.set_idle()
-    agent.prestart(slot)
+    # No shell is started here: a group of forks would start all of theirs at once, on
+    # the cores the forks need; each starts on its first call, as in a fresh slot.
     return {"snapshot": frozen.id, "slot": slot.index}
