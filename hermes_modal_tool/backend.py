@@ -396,6 +396,27 @@ class ToolBackend:
         self._check_open()
         return await self._snapshots.import_(data, profile)
 
+    async def snapshot_sandbox(self, profile: str | None = None, setup: str | list[str] | None = None,
+                               *, use: bool = True, timeout_s: int = 600) -> str:
+        """Turn a prepared sandbox of a Modal profile into the image its new sandboxes
+        start from (Modal's ``Sandbox.snapshot_filesystem``); return the image id.
+
+        ``setup`` commands run first in the container itself (as its root, outside every
+        slot; each with ``timeout_s``). With ``use`` (default) the profile's ``image``
+        becomes that id, so sandboxes started from now on (not those running) have it in
+        the root their slots share. Images of Modal's filesystem snapshots expire (Modal
+        keeps them for a limited time).
+
+        Raises:
+            UsageError: the profile does not use the Modal driver.
+            SetupError: a setup command failed (``.output``).
+            SnapshotError: Modal refused the snapshot.
+        """
+        from .sandbox_images import snapshot_sandbox
+
+        self._check_open()
+        return await snapshot_sandbox(self, profile, setup, use, timeout_s)
+
     async def release_snapshot(self, snapshot: SlotSnapshot) -> None:
         """Let go of a snapshot (idempotent). Its files are deleted once no slot forked
         from it is held either."""
