@@ -137,3 +137,21 @@ async def test_sixteen_forks_at_once(make_backend):
     assert [r.output.split() for r in results] == [[str(i), "1001"] for i in range(16)]
     await asyncio.gather(*(backend.release(f) for f in forks))
     await backend.release_snapshot(snap)
+
+
+async def test_a_fork_finds_the_parents_workspace_at_its_own(make_backend):
+    backend = await make_backend(slots_per_sandbox=3, max_sandboxes=1)
+    parent = await backend.acquire("parent")
+    await out(backend, parent, "echo notes > notes.txt; mkdir sub && cd sub && echo deep > d.txt")
+    [fork] = await backend.fork(parent, 1)
+    assert fork.workspace_dir != parent.workspace_dir
+    assert (await out(backend, fork, "pwd; cat d.txt ../notes.txt")).split() == [
+        f"{fork.workspace_dir}/sub", "deep", "notes"]
+    r = await backend.read_artifact(fork, "notes.txt")  # relative: the fork's own workspace
+    assert r["content"] == "notes\n"
+    await out(backend, fork, "echo mine >> ../notes.txt")
+    assert (await out(backend, parent, "cat ../notes.txt")) == "notes\n"
+    # a fork of the fork (another slot again) follows both
+    [grandchild] = await backend.fork(fork, 1)
+    assert (await out(backend, grandchild, "pwd; cat ../notes.txt")).split() == [
+        f"{grandchild.workspace_dir}/sub", "notes", "mine"]

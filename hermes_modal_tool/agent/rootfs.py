@@ -179,10 +179,12 @@ def mount_idmapped(source, target, ns):
         os.close(tree)
 
 
-def mount_overlay(lower, upper, work, target):
+def mount_overlay(lower, upper, work, target, extra=None):
     # volatile: no sync of the upper file system, ever (unmount synced it: 200 ms for a
     # layer of 200 MB not yet written back); the layer is thrown away, never reused.
     opts = "lowerdir=%s,upperdir=%s,workdir=%s,volatile" % (lower, upper, work)
+    if extra:
+        opts += "," + extra
     _check(libc().mount(b"overlay", os.fsencode(target), b"overlay", 0, os.fsencode(opts)),
            "mount overlay at %s" % target)
 
@@ -273,6 +275,8 @@ class SlotRoot:
         self._lock = threading.Lock()  # guards active/standby (held only for pointer swaps)
         self._lower_lock = threading.Lock()  # guards the lowers and layer numbering
         self._ns_lock = threading.Lock()  # guards _userns
+        self._views = {}  # mount index -> the root's read-only overlay view (for forks)
+        self._view_mounts = []
 
     @property
     def merged(self):
@@ -370,14 +374,14 @@ class SlotRoot:
                 os.mkdir(path, 0o700)
         return layer
 
-    def _mount(self, layer, lowers):
+    def _mount(self, layer, lowers, extra=None):
         """Mount the layer's overlays; ``lowers[i]`` is mount ``i``'s lowerdir option."""
         os.mkdir(layer.merged, 0o755)
         try:
             for i, mount in enumerate(self.plan.mounts):
                 upper, work = layer.dirs(i)
                 target = layer.merged if mount == "/" else layer.merged + mount
-                mount_overlay(lowers[i], upper, work, target)
+                mount_overlay(lowers[i], upper, work, target, extra)
                 layer.mounted.append(target)
         except OSError:
             _unmount_layer(layer)
@@ -391,7 +395,7 @@ class SlotRoot:
         return self._mount(layer, self._lowers)
 
     # -- snapshots (see agent/snapshots.py) ------------------------------------------
-    def build_on(self, chain):
+    def build_on(self, chain, ws_from=None):
         """A new, empty writable layer stacked on frozen layers (not yet in use).
 
         ``chain`` is ``[(directory, owner uid on disk), ...]``, the top frozen layer first;
@@ -419,28 +423,53 @@ class SlotRoot:
                     mount_idmapped(src, target, self._ns_for(owner))
                     layer.lower_mounts.append(target)
                     parts.append(target)
-                # A lower inside another lower's tree is refused (ELOOP: overlapping
-                # layers), and the root lower holds every directory of its file system:
-                # the frozen layers are joined in a read-only overlay of their own first
-                # (another file system), whose root is the stack's middle layer.
-                empty = os.path.join(self.base, "empty")
-                if not os.path.isdir(empty):
-                    os.mkdir(empty, 0o755)
-                parts.append(empty)  # a read-only overlay needs two lowers
-                inner = os.path.join(layer.dir, "lower", "stack-%d" % i)
-                os.makedirs(inner, mode=0o700)
-                mount_overlay_readonly(":".join(parts), inner)
-                layer.lower_mounts.append(inner)
-                per_mount.append(inner + ":" + self._lowers[i])
+                parts.append(self._root_view(i))
+                per_mount.append(":".join(parts))
             for d in self.dirs:  # this slot's own workspace and workdir (merged with the frozen ones)
                 if d and d != "/":
                     mount, rel = self.plan.layer_of(d)
                     upper = layer.dirs(self.plan.mounts.index(mount))[0]
-                    self.plan._parents(upper, mount, rel, self.uid, self.gid, create_mode=0o755)
-            return self._mount(layer, per_mount)
+                    self.plan._parents(upper, mount, os.path.dirname(rel), self.uid, self.gid,
+                                       create_mode=0o755)
+                    path = os.path.join(upper, rel.lstrip("/"))
+                    if not os.path.isdir(path):
+                        os.mkdir(path, 0o755)
+                        os.chown(path, self.uid, self.gid)
+                        if ws_from and d == self.dirs[0] and ws_from != d:
+                            # The slot's workspace shows the snapshot's (another slot's path):
+                            # an overlay redirect, followed through the frozen layers.
+                            os.setxattr(path, "trusted.overlay.redirect", os.fsencode(ws_from))
+            return self._mount(layer, per_mount, "redirect_dir=follow")
         except OSError:
             _unmount_layer(layer)
             raise
+
+    def _root_view(self, i):
+        """Mount ``i``'s root as a read-only overlay of its idmapped lower (made once).
+
+        The frozen layers must be direct lowers of a fork's overlay (so that their
+        whiteouts and opaque directories count: an overlay in between would consume
+        them), but overlayfs refuses a lower inside another lower's tree (ELOOP,
+        overlapping layers), and the frozen layers are inside the root's. This view is
+        another file system (an overlay of its own), so they no longer are. Its second
+        lower is an empty tmpfs (a read-only overlay needs two; one inside ``/`` would
+        overlap too).
+        """
+        with self._lower_lock:
+            if i in self._views:
+                return self._views[i]
+            empty = os.path.join(self.lower, "empty")
+            if empty not in self._view_mounts:
+                os.makedirs(empty, mode=0o755, exist_ok=True)
+                _check(libc().mount(b"tmpfs", os.fsencode(empty), b"tmpfs", MS_RDONLY,
+                                    b"size=4k,mode=755"), "mount tmpfs at %s" % empty)
+                self._view_mounts.append(empty)
+            view = os.path.join(self.lower, "view-%d" % i)
+            os.makedirs(view, mode=0o700, exist_ok=True)
+            mount_overlay_readonly("%s:%s" % (self._lowers[i], empty), view)
+            self._view_mounts.append(view)
+            self._views[i] = view
+            return view
 
     def _ns_for(self, owner):
         with self._ns_lock:
@@ -499,6 +528,9 @@ class SlotRoot:
                 if layer is not None:
                     _unmount_layer(layer)
             self.active = self.standby = None
+            for target in reversed(self._view_mounts):
+                umount(target)
+            self._view_mounts, self._views = [], {}
             for target in reversed(self._lowers):
                 umount(target)
             self._lowers = []

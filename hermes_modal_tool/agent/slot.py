@@ -173,8 +173,6 @@ class SlotRuntime:
         self.background_sids = []
         shell.resume_dir = None
         self.replay = self.replay_text = None
-        if self.root is not None:
-            self.workspace.cwd = self.ws_path
         if self.root is None:
             # Off the loop: a slot can make its workspace large (linear, iterative).
             await self.agent.loop.run_in_executor(self.agent.file_workers, self.workspace.wipe)

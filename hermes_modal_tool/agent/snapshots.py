@@ -59,7 +59,7 @@ class Frozen:
         self.parent = parent  # the Frozen it was stacked on, or None
         self.size = size  # bytes of its own files (not its parent's)
         self.state = state  # replay script of the shell's state (text)
-        self.home = None  # the file tools' directory for relative paths (the parent's workspace)
+        self.ws = None  # the workspace path of the slot it was taken from
         self.holds = 0
         self.users = 0
 
@@ -229,7 +229,8 @@ async def _stack(agent, slot, frozen, state):
     is claimed and its processes are gone."""
     frozen.users += 1
     try:
-        layer = await agent.loop.run_in_executor(agent.spawner, slot.root.build_on, frozen.chain())
+        layer = await agent.loop.run_in_executor(agent.spawner, slot.root.build_on, frozen.chain(),
+                                                 frozen.ws)
     except BaseException:
         store(agent).unuse(frozen)
         raise
@@ -242,8 +243,10 @@ async def _stack(agent, slot, frozen, state):
         store(agent).layer_gone(old)
     agent.layer_work(slot.root, old)
     slot.dirty = True  # a reset drops this layer
-    if frozen.home:
-        slot.workspace.cwd = frozen.home  # relative paths of file tools: as in the parent
+    if frozen.ws and frozen.ws != slot.ws_path and state:
+        # The snapshot's workspace shows at this slot's own: follow it there.
+        state += ('case $PWD in %s|%s/*) builtin cd -- "%s${PWD#%s}" 2>/dev/null;; esac\n'
+                  % (frozen.ws, frozen.ws, slot.ws_path, frozen.ws))
     slot.replay_text = state or None
     slot.replay = slot.write_ctl("state", state.encode("utf-8", "surrogatepass")) if state else None
 
@@ -268,7 +271,7 @@ async def snapshot(agent, msg):
         parent = layer.stack if isinstance(layer.stack, Frozen) else None
         frozen = st.add(layer.dir, slot.uid, parent, size, state)  # the layer's use of parent moves here
         frozen.holds = 1
-        frozen.home = slot.workspace.cwd
+        frozen.ws = slot.ws_path
         await _stack(agent, slot, frozen, state)
     finally:
         slot.set_idle()

@@ -155,7 +155,7 @@ async def serve(agent, msg):
     parent = None
     for k in reversed(range(meta["layers"])):
         frozen = st.add(os.path.join(stream.base, "L%d" % k), 0, parent, sizes[k], meta.get("state") or "")
-        frozen.home = meta.get("home")
+        frozen.ws = meta.get("workspace")
         if parent is not None:
             parent.users += 1
         parent = frozen
@@ -196,7 +196,7 @@ def _write_tar(agent, frozen, out):
         chain.append(layer)
         layer = layer.parent
     meta = {"format": FORMAT, "mounts": mounts, "layers": len(chain), "state": frozen.state,
-            "home": frozen.home}
+            "workspace": frozen.ws}
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         raw = json.dumps(meta).encode()
         info = tarfile.TarInfo(META)
