@@ -26,6 +26,13 @@ How it is built (the agent must be real root; :func:`probe` says whether it work
 Reset unmounts the overlay, renames the upper into a trash directory (removed later, off the
 event loop) and mounts a fresh one: its cost does not depend on what the slot wrote.
 
+Snapshots and forks (:mod:`.snapshots`): :meth:`SlotRoot.freeze` unmounts the layer in use
+and keeps its directory as a frozen layer; :meth:`SlotRoot.build_on` stacks a new, empty
+upper on frozen layers: ``lowerdir=frozen...:root view`` where each frozen upper is
+idmapped to the slot's uid when another slot wrote it, and the root view is a read-only
+overlay of the idmapped root (another file system: overlayfs refuses a lower inside
+another lower's tree, and the frozen layers are inside the root's).
+
 Where the kernel says no (not root, no ``open_tree``, overlay refused), :func:`probe` returns
 the reason and slots keep the workspace-only layout.
 """
