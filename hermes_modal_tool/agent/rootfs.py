@@ -323,8 +323,11 @@ class SlotRoot:
             if self.standby is not None or not self._lowers:
                 return
         self._keep_or_drop(self._build())
-        for i in range(len(self.plan.mounts)):
-            self._root_view(i)  # so that a fork of this slot has nothing more to mount
+        try:
+            for i in range(len(self.plan.mounts)):
+                self._root_view(i)  # so that a fork of this slot has nothing more to mount
+        except OSError:
+            pass  # a fork of this slot tries again and reports why it cannot
 
     def _keep_or_drop(self, layer):
         with self._lock:
