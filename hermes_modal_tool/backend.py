@@ -273,11 +273,14 @@ class ToolBackend(SnapshotMethods):
             PoolTimeoutError: no slot became free within the profile's ``acquire_timeout_s``.
             SandboxStartError: a needed sandbox failed to start.
             ConfigError: unknown profile.
+            SetupError: the ``setup`` failed (see :meth:`setup_snapshot`).
             BackendClosedError: after ``stop()``.
         """
         self._check_open()
         if trajectory_id is not None and not isinstance(trajectory_id, str):
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
+        if profile is not None and not isinstance(profile, str):
+            raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
         if snapshot is not None:
             if profile is not None and isinstance(snapshot, SlotSnapshot) and profile != snapshot.profile:
                 raise UsageError(f"snapshot {snapshot.snapshot_id} belongs to profile "
@@ -288,8 +291,6 @@ class ToolBackend(SnapshotMethods):
         if setup:
             snapshot = await self.setup_snapshot(setup, profile)
             return (await self.fork(snapshot, 1, None if trajectory_id is None else [trajectory_id]))[0]
-        if profile is not None and not isinstance(profile, str):
-            raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
         pool = await self._pool(self.profile(profile).name)
         return await pool.acquire(trajectory_id if trajectory_id is not None
                                   else f"traj-{uuid.uuid4().hex[:12]}")
