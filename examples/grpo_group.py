@@ -119,7 +119,8 @@ def run(no_fork: bool, slots: int) -> tuple[list[dict], str]:
     finally:
         os.unlink(path)
     if proc.returncode != 0:
-        raise SystemExit(f"batch failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        errors = "\n".join(f"{r['id']}: {r['error'] or r['steps']}"[:1500] for r in records if not r["ok"])
+        raise SystemExit(f"batch failed (exit {proc.returncode}):\n{errors[:6000]}\n{proc.stderr[-2000:]}")
     return records, proc.stderr + proc.stdout
 
 
