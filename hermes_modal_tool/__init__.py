@@ -22,9 +22,12 @@ from .errors import (
     SandboxError,
     SandboxStartError,
     SecretNotFoundError,
+    SetupError,
+    SnapshotError,
     UsageError,
 )
 from .slots import ExecutionResult, Slot, SlotState, ToolResult
+from .snapshots import SlotSnapshot
 
 __version__ = "0.1.0"
 
@@ -46,8 +49,11 @@ __all__ = [
     "SandboxError",
     "SandboxStartError",
     "SecretNotFoundError",
+    "SetupError",
     "Slot",
+    "SlotSnapshot",
     "SlotState",
+    "SnapshotError",
     "ToolBackend",
     "ToolResult",
     "UsageError",

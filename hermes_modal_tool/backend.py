@@ -24,15 +24,18 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._snapshot_api import SnapshotMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .drivers import make_driver
 from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .pool import SandboxPool
+from .shared_setup import SharedSetups
 from .slots import ExecutionResult, Slot
+from .snapshots import SlotSnapshot, Snapshots
 
 
-class ToolBackend:
+class ToolBackend(SnapshotMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,
@@ -101,6 +104,8 @@ class ToolBackend:
         self._started = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._snapshots = Snapshots(self)
+        self._setups = SharedSetups(self)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -187,6 +192,7 @@ class ToolBackend:
             return
         self._check_open()  # on the backend's own loop
         self._closed = True
+        await self._setups.close()
         await asyncio.gather(*(p.stop() for p in self._pools.values()), return_exceptions=True)
         await asyncio.gather(*(d.aclose() for d in self._drivers.values()), return_exceptions=True)
         if purge:
@@ -248,18 +254,26 @@ class ToolBackend:
         return pool
 
     # -- slots -------------------------------------------------------------------------
-    async def acquire(self, trajectory_id: str | None = None, profile: str | None = None) -> Slot:
+    async def acquire(self, trajectory_id: str | None = None, profile: str | None = None,
+                      snapshot: SlotSnapshot | None = None,
+                      setup: str | list[str] | None = None) -> Slot:
         """Lease a slot (empty workspace, fresh shell) for a trajectory.
 
         Args:
             trajectory_id: who holds it (shown in status and pool-timeout errors);
                 None: a new id (``"traj-"`` and 12 hex digits), as the original did.
-            profile: which profile's pool (default: ``default_profile``).
+            profile: which profile's pool (default: ``default_profile``; with a
+                ``snapshot``, the snapshot's).
+            snapshot: start the slot from this snapshot (``fork(snapshot, 1)``): its
+                files, working directory, exported variables, functions and aliases.
+            setup: commands the slot starts after (default: the profile's ``setup``):
+                run once per content key (see :meth:`setup_snapshot`), then forked.
 
         Raises:
             PoolTimeoutError: no slot became free within the profile's ``acquire_timeout_s``.
             SandboxStartError: a needed sandbox failed to start.
             ConfigError: unknown profile.
+            SetupError: the ``setup`` failed (see :meth:`setup_snapshot`).
             BackendClosedError: after ``stop()``.
         """
         self._check_open()
@@ -267,6 +281,16 @@ class ToolBackend:
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
         if profile is not None and not isinstance(profile, str):
             raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
+        if snapshot is not None:
+            if profile is not None and isinstance(snapshot, SlotSnapshot) and profile != snapshot.profile:
+                raise UsageError(f"snapshot {snapshot.snapshot_id} belongs to profile "
+                                 f"{snapshot.profile!r}, not {profile!r}")
+            return (await self.fork(snapshot, 1, None if trajectory_id is None else [trajectory_id]))[0]
+        if setup is None:
+            setup = self.profile(profile).setup
+        if setup:
+            snapshot = await self.setup_snapshot(setup, profile)
+            return (await self.fork(snapshot, 1, None if trajectory_id is None else [trajectory_id]))[0]
         pool = await self._pool(self.profile(profile).name)
         return await pool.acquire(trajectory_id if trajectory_id is not None
                                   else f"traj-{uuid.uuid4().hex[:12]}")
@@ -459,8 +483,9 @@ class ToolBackend:
         ``default_profile``, ``profiles``, ``active_pools``,
         ``waiting_acquires``, ``calls_per_second``, ``failures``, ``quarantined_slots``
         (slots out of service because their reset failed: ``slot_id``, ``error``,
-        ``attempts``, ``gave_up``; see ``resets.py``), and per pool the
-        isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
+        ``attempts``, ``gave_up``; see ``resets.py``), ``snapshots`` (each live snapshot:
+        id, profile, sandboxes holding a copy, ``size_bytes``, ``holders``), and per pool
+        the isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
         Secret values never appear here.
         """
         pools = {name: pool.status() for name, pool in self._pools.items()}
@@ -479,6 +504,8 @@ class ToolBackend:
             "drivers": {name: d.describe() for name, d in self._drivers.items()},
             "closed": self._closed,
             "quarantined_slots": [q for p in pools.values() for q in p["quarantined_slots"]],
+            "snapshots": self._snapshots.status(),
+            "setups": self._setups.status(),
             "pools": pools,
         }
 

@@ -92,6 +92,14 @@ class SandboxConfig(BaseModel):
     slot_disk: int | None = Field(
         None, gt=0, le=16 * 1024 * 1024,
         description="Disk a slot may write (its writable layer and workspace), MiB; default: no limit.")
+    setup: list[str] | None = Field(
+        None, description="Commands every slot of the profile starts after: run once per content "
+                          "key (commands, profile, image) in a fresh slot, snapshotted, and each "
+                          "acquire forks from that snapshot (needs filesystem: overlay).")
+    snapshot_disk: int = Field(
+        8192, gt=0, le=16 * 1024 * 1024,
+        description="Disk the snapshots of one sandbox may hold together, MiB; a snapshot past "
+                    "it is refused (SnapshotError) until others are released.")
     scale_down_idle: bool | float = Field(
         True, description="Scale down: stop sandboxes (down to min_sandboxes) once idle this "
                           "long. True: after idle_timeout; False: never; a number: after that many "

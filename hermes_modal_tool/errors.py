@@ -101,3 +101,16 @@ class UsageError(HermesModalToolError, ValueError):
 
 class BackendClosedError(UsageError):
     """Raised when a backend is used after ``stop()``."""
+
+
+class SnapshotError(HermesModalToolError):
+    """Raised when a snapshot, fork, export or import fails (the message says why)."""
+
+
+class SetupError(SnapshotError):
+    """Raised to every waiter when a shared setup fails; ``output`` is what it printed."""
+
+    def __init__(self, message: str, output: str = "", returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.output = output
+        self.returncode = returncode

@@ -330,6 +330,15 @@ class SandboxPool(SlotResets):
                 raise
         return self._lease(rec, trajectory_id)
 
+    def lease_free_in(self, sandbox_id: str, trajectory_id: str | None) -> Slot | None:
+        """Lease a free slot of sandbox ``sandbox_id`` now (forks go next to their
+        snapshot); None when it has none free."""
+        for rec in reversed(self._free):
+            if rec.sandbox.sandbox_id == sandbox_id and not rec.sandbox.dead:
+                self._free.remove(rec)
+                return self._lease(rec, trajectory_id)
+        return None
+
     def _timeout_message(self) -> str:
         holders = [r.holder.trajectory_id or r.slot_id for recs in self._records.values()
                    for r in recs if r.holder is not None]

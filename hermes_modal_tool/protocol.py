@@ -28,6 +28,13 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               started); the cancelled call still gets its own response.
 ``status``    ``{}``: per-slot state, for diagnostics.
 ``shutdown``  ``{}``: kill every slot, remove what the agent created, answer, exit.
+``snapshot``  ``{"slot": int, "cap_bytes": int?}``: freeze the slot's layer and shell state
+              (see ``hermes_modal_tool/agent/snapshots.py``); the slot goes on from it.
+              Result ``{"snapshot": id, "size_bytes", "depth", "total_bytes"}``.
+``fork``      ``{"slot": int, "snapshot": id}``: a free slot starts from a snapshot.
+``release_snapshot`` ``{"snapshot": id}``: drop one hold (freed with its last user).
+``snapshots`` ``{}``: the sandbox's snapshots, sizes and reference counts.
+``export_snapshot`` / ``import_snapshot``: a snapshot as a tar stream, in chunks.
 ``ping``      ``{}`` with id 0: the owner is alive (Modal's heartbeat); no answer.
 
 Responses (agent -> host): ``{"id": int, "ok": bool, "error": str?, "result": {...}}``.
@@ -48,7 +55,8 @@ HEADER = struct.Struct(">I")
 #: Largest frame either side accepts (bytes). A bigger frame is a protocol error.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
-OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "ping")
+OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
+       "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping")
 
 #: Tools the agent knows, in the order error messages list them.
 TOOLS = (

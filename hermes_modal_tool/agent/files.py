@@ -53,7 +53,7 @@ class Workspace:
       workspace; absolute paths are in the slot's view, relative ones relative to ``cwd``,
       ``..`` stops at the root and absolute symlinks resolve inside it (as the kernel's
       ``RESOLVE_IN_ROOT`` does). Permissions are the slot's: the caller runs the tools
-      with the slot's filesystem uid (:class:`.rootfs.FsCreds`).
+      with the slot's filesystem uid (:class:`.mounts.FsCreds`).
     """
 
     def __init__(self, host, path, uid=None, gid=None, cwd=None):

@@ -18,7 +18,7 @@ import signal
 import sys
 
 from .. import protocol
-from . import admission, trees
+from . import admission, snapshots, trees
 from .calls import FILE_THREADS, STOPPED_BEFORE, Calls
 from .diskwatch import DiskWatch
 from .setup import Setup
@@ -99,6 +99,8 @@ class Agent(Setup, Calls, DiskWatch):
             self.own(self.shutdown(mid))
         elif op == "ping":
             pass  # the owner is alive (noted by _InProtocol for the heartbeat)
+        elif op in snapshots.OPS:
+            snapshots.dispatch(self, msg)
         else:
             self.send({"id": mid, "ok": False, "error": "unknown op %r; known: %s"
                        % (op, ", ".join(protocol.OPS))})

@@ -26,207 +26,45 @@ How it is built (the agent must be real root; :func:`probe` says whether it work
 Reset unmounts the overlay, renames the upper into a trash directory (removed later, off the
 event loop) and mounts a fresh one: its cost does not depend on what the slot wrote.
 
+Snapshots and forks (:mod:`.snapshots`): :meth:`SlotRoot.freeze` unmounts the layer in use
+and keeps its directory as a frozen layer; :meth:`SlotRoot.build_on` stacks a new, empty
+upper on frozen layers: ``lowerdir=frozen...:root view`` where each frozen upper is
+idmapped to the slot's uid when another slot wrote it, and the root view is a read-only
+overlay of the idmapped root (another file system: overlayfs refuses a lower inside
+another lower's tree, and the frozen layers are inside the root's).
+
 Where the kernel says no (not root, no ``open_tree``, overlay refused), :func:`probe` returns
 the reason and slots keep the workspace-only layout.
 """
 
-import ctypes
 import errno
 import os
 import stat
 import threading
 
-SYS_OPEN_TREE = 428  # the same number on every architecture (new syscalls are unified)
-SYS_MOVE_MOUNT = 429
-SYS_OPENAT2 = 437
-SYS_MOUNT_SETATTR = 442
-OPEN_TREE_CLONE = 1
-OPEN_TREE_CLOEXEC = os.O_CLOEXEC
-AT_FDCWD = -100
-AT_EMPTY_PATH = 0x1000
-MOVE_MOUNT_F_EMPTY_PATH = 0x4
-MOUNT_ATTR_RDONLY = 0x1
-MOUNT_ATTR_NOSUID = 0x2
-MOUNT_ATTR_NODEV = 0x4
-MOUNT_ATTR_IDMAP = 0x100000
-CLONE_NEWNS = 0x20000
-CLONE_NEWUSER = 0x10000000
-MS_REC = 0x4000
-MS_PRIVATE = 0x40000
-MNT_DETACH = 2
-RESOLVE_NO_XDEV = 0x1
-RESOLVE_NO_MAGICLINKS = 0x2
-RESOLVE_NO_SYMLINKS = 0x4
-
-_libc = None
-
-
-def libc():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
-        _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
-                                ctypes.c_ulong, ctypes.c_char_p]
-    return _libc
-
-
-def _check(result, what):
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
-    return result
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-def openat2(dir_fd, name, flags, resolve):
-    """``openat2(2)``; raises OSError (``ENOSYS`` on kernels before 5.6)."""
-    how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve)
-    return _check(libc().syscall(SYS_OPENAT2, dir_fd, os.fsencode(name), ctypes.byref(how),
-                                 ctypes.sizeof(how)), "openat2 %s" % name)
-
-
-def open_subdir_same_mount(dir_fd, name):
-    """Open directory ``name`` in ``dir_fd`` without following symlinks or crossing a mount
-    point (``EXDEV``). Used by every tree removal: a mount inside a tree is never entered."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    try:
-        return openat2(dir_fd, name, flags, RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS)
-    except OSError as exc:
-        if exc.errno != errno.ENOSYS:
-            raise
-    fd = os.open(name, flags, dir_fd=dir_fd)  # old kernel: compare devices at least
-    if os.fstat(fd).st_dev != os.fstat(dir_fd).st_dev:
-        os.close(fd)
-        raise OSError(errno.EXDEV, "a mount point", name)
-    return fd
-
-
-def enter_private_mount_namespace():
-    """Move the agent into a mount namespace of its own whose mounts are all private."""
-    lib = libc()
-    _check(lib.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    _check(lib.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-
-
-def userns_fd(uid, gid):
-    """A user namespace mapping 0 -> ``uid``/``gid`` (one id), as an fd; made by a child.
-
-    One at a time (threads may call it): a child forked meanwhile by another call would
-    inherit this call's ``go`` pipe and keep this child waiting forever, and itself too.
-    """
-    with _USERNS_LOCK:
-        return _userns_fd(uid, gid)
-
-
-_USERNS_LOCK = threading.Lock()
-
-
-def _userns_fd(uid, gid):
-    lib = libc()
-    go_r, go_w = os.pipe()
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child only makes syscalls and exits
-        try:
-            os.close(go_w)
-            os.close(ready_r)
-            ok = lib.unshare(CLONE_NEWUSER) == 0
-            os.write(ready_w, b"1" if ok else b"0")
-            os.read(go_r, 1)
-        finally:
-            os._exit(0)
-    os.close(go_r)
-    os.close(ready_w)
-    try:
-        if os.read(ready_r, 1) != b"1":
-            raise OSError(errno.EPERM, "cannot create a user namespace for the idmapped mount")
-        with open("/proc/%d/uid_map" % pid, "w") as fh:
-            fh.write("0 %d 1" % uid)
-        with open("/proc/%d/setgroups" % pid, "w") as fh:
-            fh.write("deny")
-        with open("/proc/%d/gid_map" % pid, "w") as fh:
-            fh.write("0 %d 1" % gid)
-        return os.open("/proc/%d/ns/user" % pid, os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        os.close(go_w)
-        os.close(ready_r)
-        os.waitpid(pid, 0)
-
-
-def mount_idmapped(source, target, ns):
-    """Attach a read-only clone of ``source`` at ``target``, ids mapped by user namespace
-    ``ns`` (an fd from :func:`userns_fd`)."""
-    lib = libc()
-    tree = _check(lib.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source),
-                              OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC), "open_tree %s" % source)
-    try:
-        attr = _MountAttr(MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV, 0, 0, ns)
-        _check(lib.syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
-                           ctypes.sizeof(attr)), "mount_setattr(IDMAP) %s" % source)
-        _check(lib.syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, os.fsencode(target),
-                           MOVE_MOUNT_F_EMPTY_PATH), "move_mount %s" % target)
-    finally:
-        os.close(tree)
-
-
-def mount_overlay(lower, upper, work, target):
-    # volatile: no sync of the upper file system, ever (unmount synced it: 200 ms for a
-    # layer of 200 MB not yet written back); the layer is thrown away, never reused.
-    opts = "lowerdir=%s,upperdir=%s,workdir=%s,volatile" % (lower, upper, work)
-    _check(libc().mount(b"overlay", os.fsencode(target), b"overlay", 0, os.fsencode(opts)),
-           "mount overlay at %s" % target)
-
-
-def umount(target):
-    """Detach ``target`` (lazily: processes that still use it keep it until they exit)."""
-    if libc().umount2(os.fsencode(target), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):  # not mounted
-            raise OSError(err, "umount %s: %s" % (target, os.strerror(err)))
-
-
-class FsCreds:
-    """Run file operations with a slot's filesystem uid/gid (this thread only).
-
-    ``setfsuid`` is per thread; while it is not 0 the kernel also drops the thread's
-    file capabilities (``CAP_DAC_OVERRIDE``, ``CAP_CHOWN``, ...), so permission checks are
-    the slot's own. Both are restored on exit.
-    """
-
-    def __init__(self, uid, gid):
-        self.uid = uid
-        self.gid = gid
-
-    def __enter__(self):
-        lib = libc()
-        lib.setfsgid(self.gid)
-        lib.setfsuid(self.uid)
-        return self
-
-    def __exit__(self, *exc):
-        lib = libc()
-        lib.setfsuid(0)
-        lib.setfsgid(0)
-        return False
+from .mounts import (
+    MS_RDONLY,
+    _check,
+    enter_private_mount_namespace,
+    libc,
+    mount_idmapped,
+    mount_overlay,
+    mount_overlay_readonly,
+    umount,
+    userns_fd,
+)
 
 
 class _Layer:
     """One writable layer set of a slot and where it is mounted: ``dir/upper``, ``dir/work``
     for ``/`` and ``dir/layers/N/...`` for the other mounts; ``dir/merged`` is the root."""
 
-    def __init__(self, path):
+    def __init__(self, path, stack=None):
         self.dir = path
         self.merged = os.path.join(path, "merged")
         self.mounted = []  # overlay mount points, in mount order
+        self.stack = stack  # the frozen layer (snapshot) this one sits on, or None
+        self.lower_mounts = []  # idmapped mounts of frozen layers (unmounted after the overlays)
 
     def dirs(self, i):
         top = self.dir if i == 0 else os.path.join(self.dir, "layers", str(i))
@@ -260,8 +98,12 @@ class SlotRoot:
         self.standby = None
         self._lowers = []  # attached idmapped lowers, one per plan mount
         self._seq = 0
+        self._userns = {}  # on-disk owner uid -> user namespace fd mapping it to this slot's uid
         self._lock = threading.Lock()  # guards active/standby (held only for pointer swaps)
         self._lower_lock = threading.Lock()  # guards the lowers and layer numbering
+        self._ns_lock = threading.Lock()  # guards _userns
+        self._views = {}  # mount index -> the root's read-only overlay view (for forks)
+        self._view_mounts = []
 
     @property
     def merged(self):
@@ -301,6 +143,11 @@ class SlotRoot:
             if self.standby is not None or not self._lowers:
                 return
         self._keep_or_drop(self._build())
+        try:
+            for i in range(len(self.plan.mounts)):
+                self._root_view(i)  # so that a fork of this slot has nothing more to mount
+        except OSError:
+            pass  # a fork of this slot tries again and reports why it cannot
 
     def _keep_or_drop(self, layer):
         with self._lock:
@@ -321,54 +168,175 @@ class SlotRoot:
 
     def retire(self, layer):
         """Unmount a dropped layer and move it to the trash; return the path to delete."""
-        for target in reversed(layer.mounted):
-            umount(target)
-        layer.mounted = []
+        _unmount_layer(layer)
         dest = os.path.join(self.trash, "%s-%s" % (os.path.basename(self.base),
                                                    os.path.basename(layer.dir)))
         os.rename(layer.dir, dest)
         return dest
 
-    def _build(self):
-        mounts = self.plan.mounts
+    def _attach_lowers(self):
+        """Attach the idmapped lowers once (caller holds ``_lower_lock``)."""
+        if self._lowers:
+            return
+        os.makedirs(self.base, mode=0o700, exist_ok=True)
+        os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds from here
+        ns = userns_fd(self.uid, self.gid)
+        try:
+            lowers = []
+            for i, mount in enumerate(self.plan.mounts):
+                target = os.path.join(self.lower, str(i))
+                os.makedirs(target, mode=0o700, exist_ok=True)
+                mount_idmapped(self.plan.source_of(mount), target, ns)
+                lowers.append(target)
+            self._lowers = lowers
+        finally:
+            os.close(ns)
+
+    def _new_layer(self, stack=None):
         with self._lower_lock:
-            if not self._lowers:
-                os.makedirs(self.base, mode=0o700, exist_ok=True)
-                os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds from here
-                ns = userns_fd(self.uid, self.gid)
-                try:
-                    lowers = []
-                    for i, mount in enumerate(mounts):
-                        target = os.path.join(self.lower, str(i))
-                        os.makedirs(target, mode=0o700, exist_ok=True)
-                        mount_idmapped(self.plan.source_of(mount), target, ns)
-                        lowers.append(target)
-                    self._lowers = lowers
-                finally:
-                    os.close(ns)
+            self._attach_lowers()
             self._seq += 1
-            layer = _Layer(os.path.join(self.base, "layer-%d" % self._seq))
+            layer = _Layer(os.path.join(self.base, "layer-%d" % self._seq), stack)
         os.mkdir(layer.dir, 0o700)
         os.chown(layer.dir, self.uid, self.gid)
-        uppers = {}
-        for i, mount in enumerate(mounts):
+        for i in range(len(self.plan.mounts)):
             upper, work = layer.dirs(i)
             os.makedirs(os.path.dirname(upper), mode=0o700, exist_ok=True)
             for path in (upper, work):
                 os.mkdir(path, 0o700)
-            uppers[mount] = upper
-        self.plan.apply(uppers, self.uid, self.gid, self.dirs)
+        return layer
+
+    def _mount(self, layer, lowers, extra=None):
+        """Mount the layer's overlays; ``lowers[i]`` is mount ``i``'s lowerdir option."""
         os.mkdir(layer.merged, 0o755)
         try:
-            for i, mount in enumerate(mounts):
+            for i, mount in enumerate(self.plan.mounts):
                 upper, work = layer.dirs(i)
                 target = layer.merged if mount == "/" else layer.merged + mount
-                mount_overlay(self._lowers[i], upper, work, target)
+                mount_overlay(lowers[i], upper, work, target, extra)
                 layer.mounted.append(target)
         except OSError:
-            for target in reversed(layer.mounted):
-                umount(target)
+            _unmount_layer(layer)
             raise
+        return layer
+
+    def _build(self):
+        layer = self._new_layer()
+        uppers = {mount: layer.dirs(i)[0] for i, mount in enumerate(self.plan.mounts)}
+        self.plan.apply(uppers, self.uid, self.gid, self.dirs)
+        return self._mount(layer, self._lowers)
+
+    # -- snapshots (see agent/snapshots.py) ------------------------------------------
+    def build_on(self, chain, ws_from=None):
+        """A new, empty writable layer stacked on frozen layers (not yet in use).
+
+        ``chain`` is ``[(directory, owner uid on disk), ...]``, the top frozen layer first;
+        each directory is a frozen layer's (``upper`` and ``layers/N/upper`` as in a
+        layer). The overlay's lowers are those uppers (idmapped so that their owner shows as
+        this slot's uid when another slot wrote them) over the sandbox's root, so the cost
+        is a few mounts per frozen layer, whatever the size of the state. The plan is not
+        applied again: the frozen layers hold it already.
+        """
+        layer = self._new_layer(stack=True)
+        try:
+            per_mount = []
+            for i, mount in enumerate(self.plan.mounts):
+                upper = layer.dirs(i)[0]
+                os.chown(upper, self.uid, self.gid)
+                os.chmod(upper, 0o755 if mount == "/" else stat.S_IMODE(os.stat(mount).st_mode))
+                parts = []
+                for k, (fdir, owner) in enumerate(chain):
+                    src = _Layer(fdir).dirs(i)[0]
+                    if owner == self.uid:
+                        parts.append(src)
+                        continue
+                    target = os.path.join(layer.dir, "lower", "%d-%d" % (k, i))
+                    os.makedirs(target, mode=0o700)
+                    mount_idmapped(src, target, self._ns_for(owner))
+                    layer.lower_mounts.append(target)
+                    parts.append(target)
+                parts.append(self._root_view(i))
+                per_mount.append(":".join(parts))
+            for d in self.dirs:  # this slot's own workspace and workdir (merged with the frozen ones)
+                if d and d != "/":
+                    mount, rel = self.plan.layer_of(d)
+                    upper = layer.dirs(self.plan.mounts.index(mount))[0]
+                    self.plan._parents(upper, mount, os.path.dirname(rel), self.uid, self.gid,
+                                       create_mode=0o755)
+                    path = os.path.join(upper, rel.lstrip("/"))
+                    if not os.path.isdir(path):
+                        os.mkdir(path, 0o755)
+                        os.chown(path, self.uid, self.gid)
+                        if ws_from and d == self.dirs[0] and ws_from != d:
+                            # The slot's workspace shows the snapshot's (another slot's path):
+                            # an overlay redirect, followed through the frozen layers.
+                            os.setxattr(path, "trusted.overlay.redirect", os.fsencode(ws_from))
+            return self._mount(layer, per_mount, "redirect_dir=follow")
+        except OSError:
+            _unmount_layer(layer)
+            raise
+
+    def _root_view(self, i):
+        """Mount ``i``'s root as a read-only overlay of its idmapped lower (made once).
+
+        The frozen layers must be direct lowers of a fork's overlay (so that their
+        whiteouts and opaque directories count: an overlay in between would consume
+        them), but overlayfs refuses a lower inside another lower's tree (ELOOP,
+        overlapping layers), and the frozen layers are inside the root's. This view is
+        another file system (an overlay of its own), so they no longer are. Its second
+        lower is an empty tmpfs (a read-only overlay needs two; one inside ``/`` would
+        overlap too).
+        """
+        with self._lower_lock:
+            if i in self._views:
+                return self._views[i]
+            empty = os.path.join(self.lower, "empty")
+            if empty not in self._view_mounts:
+                os.makedirs(empty, mode=0o755, exist_ok=True)
+                _check(libc().mount(b"tmpfs", os.fsencode(empty), b"tmpfs", MS_RDONLY,
+                                    b"size=4k,mode=755"), "mount tmpfs at %s" % empty)
+                self._view_mounts.append(empty)
+            view = os.path.join(self.lower, "view-%d" % i)
+            os.makedirs(view, mode=0o700, exist_ok=True)
+            mount_overlay_readonly("%s:%s" % (self._lowers[i], empty), view)
+            self._view_mounts.append(view)
+            self._views[i] = view
+            return view
+
+    def _ns_for(self, owner):
+        with self._ns_lock:
+            fd = self._userns.get(owner)
+            if fd is None:
+                fd = self._userns[owner] = userns_fd(self.uid, self.gid, inside=owner)
+            return fd
+
+    def install(self, layer):
+        """Use ``layer`` from now on; return the layer it replaces (or None) for
+        :meth:`retire`. The slot's processes must be gone."""
+        with self._lock:
+            old, self.active = self.active, layer
+            return old
+
+    def keep_standby(self, layer):
+        """Keep an unused ``layer`` as the standby one if there is none; True if kept."""
+        with self._lock:
+            if self.standby is None:
+                self.standby = layer
+                return True
+        return False
+
+    def freeze(self):
+        """Stop using the active layer and unmount it, keeping its files; return it.
+
+        The slot's processes must be gone (a running process would keep the upper in use
+        through its own mount namespace: an overlay's upper must not change while it is
+        mounted). The layer's directory is the frozen state: never written again.
+        """
+        with self._lock:
+            layer, self.active = self.active, None
+        if layer is None:
+            raise OSError(errno.ENOENT, "the slot has no layer in use to freeze")
+        _unmount_layer(layer)
         return layer
 
     def point_current(self):
@@ -390,13 +358,17 @@ class SlotRoot:
         with self._lock:
             for layer in (self.active, self.standby):
                 if layer is not None:
-                    for target in reversed(layer.mounted):
-                        umount(target)
-                    layer.mounted = []
+                    _unmount_layer(layer)
             self.active = self.standby = None
+            for target in reversed(self._view_mounts):
+                umount(target)
+            self._view_mounts, self._views = [], {}
             for target in reversed(self._lowers):
                 umount(target)
             self._lowers = []
+            for fd in self._userns.values():
+                os.close(fd)
+            self._userns = {}
 
     def usage_bytes(self):
         """Bytes the slot has written (its writable layer's blocks); linear in its files.
@@ -427,6 +399,15 @@ class SlotRoot:
             except OSError:
                 pass
         return total[0]
+
+
+def _unmount_layer(layer):
+    for target in reversed(layer.mounted):
+        umount(target)
+    layer.mounted = []
+    for target in reversed(layer.lower_mounts):
+        umount(target)
+    layer.lower_mounts = []
 
 
 def probe(state_dir):

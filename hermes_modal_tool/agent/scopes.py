@@ -35,7 +35,7 @@ _SCOPE = []  # [(ruleset fd or None, what status says)], made once per agent pro
 
 
 def _libc():
-    from .rootfs import libc
+    from .mounts import libc
 
     return libc()
 

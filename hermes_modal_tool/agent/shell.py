@@ -201,6 +201,8 @@ class Shell(ShellProcesses):
         nonce = new_nonce()
         self.ready_collector = OutputCollector(nonce.encode(), 4096, self.loop)
         start = TRAP + INIT_LINES
+        if self.slot.replay:  # a snapshot's shell state (agent/snapshots.py)
+            start += ". %s 2>/dev/null\n" % shell_quote(self.slot.replay)
         if self.resume_dir:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
             self.resume_dir = None

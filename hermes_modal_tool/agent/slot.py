@@ -9,7 +9,7 @@ import os
 import resource
 import threading
 
-from . import files, isolation, rootfs
+from . import files, isolation, mounts, rootfs, snapshots
 from .shell import Shell
 
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
@@ -35,6 +35,7 @@ class SlotRuntime:
         self.dirty = False  # a call ran since the last reset
         self.rlimits = []  # the slot's own (on top of the sandbox's)
         self.start_dir = self.ws_path
+        self.replay = self.replay_text = None  # shell state from a snapshot (agent/snapshots.py)
         if agent.filesystem == "overlay":
             self.root = rootfs.SlotRoot(
                 os.path.join(agent.state_dir, "fs", "slot_%d" % index),
@@ -79,6 +80,13 @@ class SlotRuntime:
         :meth:`ensure_root` in a worker thread."""
         if self.ready:
             return
+        self.prepare_ctl()
+        if self.root is None:
+            os.makedirs(self.ws_host, exist_ok=True)
+            self.workspace.wipe()
+        self.ready = True
+
+    def prepare_ctl(self):
         # The control directory: the agent's (root's), never writable by the slot, so the
         # agent never creates a file where the slot could plant a link; readable and
         # enterable by the slot's group only (other local users see nothing).
@@ -88,10 +96,6 @@ class SlotRuntime:
             os.chmod(self.ctl_host, 0o750)
         else:
             os.chmod(self.ctl_host, 0o755)  # slots run as the agent's own user
-        if self.root is None:
-            os.makedirs(self.ws_host, exist_ok=True)
-            self.workspace.wipe()
-        self.ready = True
 
     def ensure_root(self):
         """Build the slot's layered root if it has none mounted (blocking: a few mounts,
@@ -216,6 +220,7 @@ class SlotRuntime:
                     pass
         self.background_sids = []
         shell.resume_dir = None
+        self.replay = self.replay_text = None
         if self.root is None:
             # Off the loop: a slot can make its workspace large (linear, iterative).
             await self.agent.loop.run_in_executor(self.agent.executor("files"), self.workspace.wipe)
@@ -226,6 +231,8 @@ class SlotRuntime:
         # shell (started right after the reset) or file tool builds it (ensure_root).
         if drop:
             old = self.root.discard()
+            if old is not None and old.stack is not None:
+                snapshots.store(self.agent).layer_gone(old)  # a fork's or snapshot's layer
             self.root.swap()
             self.agent.layer_work(self.root, old)
 
@@ -233,7 +240,7 @@ class SlotRuntime:
         """Context for file tools: the slot's own filesystem uid when it has a root of its own."""
         if self.root is None:
             return _NO_CREDS
-        return rootfs.FsCreds(self.uid, self.gid)
+        return mounts.FsCreds(self.uid, self.gid)
 
 
 class _NoCreds:

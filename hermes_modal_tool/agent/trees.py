@@ -8,7 +8,7 @@ import errno
 import os
 import stat
 
-from .rootfs import open_subdir_same_mount
+from .mounts import open_subdir_same_mount
 
 
 def empty_dir(path):

@@ -41,6 +41,8 @@ class Trajectory:
     calls: list[Call]
     profile: str | None = None
     meta: Any = None
+    setup: list[str] | None = None  # shared setup (keyed by content), run before the calls
+    fork: str | None = None  # start from this trajectory's state after its calls
 
 
 def _check_call(call: Any, i: int) -> Call:
@@ -98,10 +100,10 @@ def parse_batch(path: str) -> list[Trajectory]:
                 raise ValueError(f"invalid JSON: {exc}") from None
             if not isinstance(data, dict):
                 raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-            unknown = set(data) - {"id", "profile", "calls", "meta"}
+            unknown = set(data) - {"id", "profile", "calls", "meta", "setup", "fork"}
             if unknown:
                 raise ValueError(f"unknown key(s) {', '.join(map(repr, sorted(unknown)))}; a trajectory "
-                                 "has 'id', 'calls' and optional 'profile', 'meta'")
+                                 "has 'id', 'calls' and optional 'profile', 'meta', 'setup', 'fork'")
             tid = data.get("id")
             if not isinstance(tid, str) or not tid:
                 raise ValueError("missing 'id' (a non-empty string)" if tid is None
@@ -116,11 +118,39 @@ def parse_batch(path: str) -> list[Trajectory]:
             if profile is not None and (not isinstance(profile, str) or not profile):
                 raise ValueError(f"'profile' must be a non-empty string, got {profile!r:.80}")
             parsed = [_check_call(c, i) for i, c in enumerate(calls)]
+            setup = data.get("setup")
+            if isinstance(setup, str):
+                setup = [setup]
+            if setup is not None and (not isinstance(setup, list) or not setup
+                                      or not all(isinstance(c, str) and c.strip() for c in setup)):
+                raise ValueError(f"'setup' must be a command or a non-empty list of commands, got {setup!r:.80}")
+            fork = data.get("fork")
+            if fork is not None and (not isinstance(fork, str) or not fork):
+                raise ValueError(f"'fork' must be the id of another trajectory, got {fork!r:.80}")
+            if fork is not None and setup is not None:
+                raise ValueError("give 'setup' or 'fork', not both (a fork starts from the other's state)")
         except ValueError as exc:
             where = f" (id {data['id']!r})" if isinstance(data, dict) and isinstance(data.get("id"), str) else ""
             raise InputError(f"{path}, line {n}{where}: {exc}") from None
         seen[tid] = n
-        trajectories.append(Trajectory(tid, n, parsed, profile, data.get("meta")))
+        trajectories.append(Trajectory(tid, n, parsed, profile, data.get("meta"), setup, fork))
     if not trajectories:
         raise InputError(f"{path}: no trajectories (expected one JSON object per line)")
+    by_id = {t.id: t for t in trajectories}
+    for t in trajectories:
+        seen_chain = [t.id]
+        cur = t
+        while cur.fork is not None:
+            parent = by_id.get(cur.fork)
+            if parent is None:
+                raise InputError(f"{path}, line {cur.line} (id {cur.id!r}): 'fork' names {cur.fork!r}, "
+                                 "which is not a trajectory of this file")
+            if parent.id in seen_chain:
+                raise InputError(f"{path}, line {t.line} (id {t.id!r}): forks form a cycle: "
+                                 + " -> ".join(seen_chain + [parent.id]))
+            if (parent.profile or None) != (cur.profile or None):
+                raise InputError(f"{path}, line {cur.line} (id {cur.id!r}): a fork must use its source's "
+                                 f"profile ({parent.profile!r})")
+            seen_chain.append(parent.id)
+            cur = parent
     return trajectories

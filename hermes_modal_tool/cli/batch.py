@@ -19,11 +19,11 @@ from rich.table import Table
 
 from ..backend import ToolBackend
 from ..config import SandboxConfig
-from ..errors import HermesModalToolError
+from ..errors import HermesModalToolError, SetupError
 from ..protocol import MAX_TIMEOUT_S
 from ..slots import ExecutionResult
 from ..status import status_table
-from ._batch_file import Trajectory, parse_batch
+from ._batch_file import Call, Trajectory, parse_batch
 from ._common import InputError, Stopped, make_console, make_profiles, run_stoppable
 
 OUTPUT_CAP = 2000
@@ -121,25 +121,102 @@ class Stats:
     not_run: int = 0
 
 
+class Forks:
+    """Snapshots of the trajectories others fork from (``fork`` in the batch file)."""
+
+    def __init__(self, backend: ToolBackend, trajectories: list[Trajectory]) -> None:
+        self.backend = backend
+        self.waiting: dict[str, int] = {}
+        for t in trajectories:
+            if t.fork is not None:
+                self.waiting[t.fork] = self.waiting.get(t.fork, 0) + 1
+        loop = asyncio.get_running_loop()
+        self.snaps: dict[str, asyncio.Future] = {tid: loop.create_future() for tid in self.waiting}
+
+    async def taken(self, tid: str) -> None:
+        """One fork of ``tid`` holds a slot now; the last one lets the snapshot go."""
+        self.waiting[tid] -= 1
+        if self.waiting[tid] == 0:
+            await self.backend.release_snapshot(self.snaps[tid].result())
+
+    def fail(self, tid: str, why: str) -> None:
+        fut = self.snaps.get(tid)
+        if fut is not None and not fut.done():
+            fut.set_exception(HermesModalToolError(f"trajectory {tid!r}, which it forks from, failed: {why}"))
+
+    async def close(self) -> None:
+        for fut in self.snaps.values():
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled() and fut.exception() is None:
+                await self.backend.release_snapshot(fut.result())
+
+
+def replayed(traj: Trajectory, by_id: Mapping[str, Trajectory]) -> list[Call]:
+    """What a trajectory redoes in its own slot without forks: its source's setup and
+    calls first (recursively), then its own setup."""
+    chain: list[Call] = []
+    if traj.fork is not None:
+        src = by_id[traj.fork]
+        chain = replayed(src, by_id) + src.calls
+    for command in traj.setup or []:
+        chain.append(Call("bash", {"command": command, "timeout": 3600.0}, {"success": True}))
+    return chain
+
+
 async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float | None,
-                         limit: asyncio.Semaphore, stats: Stats, advance: Callable[[int], None]) -> dict[str, Any]:
-    """Acquire a slot, run the trajectory's calls in order, release (with reset); return its record."""
+                         limit: asyncio.Semaphore, stats: Stats, advance: Callable[[int], None],
+                         forks: Forks | None = None, prelude: list[Call] | None = None) -> dict[str, Any]:
+    """Acquire a slot (from a shared setup or another trajectory's snapshot when it names
+    one), run the trajectory's calls in order, release (with reset); return its record.
+
+    ``forks`` None: no forks or shared setups; ``prelude`` (the setup, and a fork's
+    source's calls) runs in the slot first, timed as its setup."""
     record: dict[str, Any] = {"id": traj.id, "profile": traj.profile or backend.default_profile,
                               "slot_id": None, "ok": False, "error": None, "steps": []}
     if traj.meta is not None:
         record["meta"] = traj.meta
     started = time.monotonic()
-    async with limit:
+    snapshot = None
+    if forks is not None and traj.fork is not None:
         try:
-            slot = await backend.acquire(traj.id, traj.profile)
+            snapshot = await forks.snaps[traj.fork]  # outside the limit: its source needs a slot
         except HermesModalToolError as exc:
-            record["error"] = f"could not acquire a slot: {exc}"
+            record["error"] = str(exc)
+    async with limit:
+        slot = None
+        if record["error"] is None:
+            try:
+                if snapshot is not None:
+                    slot = await backend.acquire(traj.id, snapshot=snapshot)
+                elif forks is not None and traj.setup:
+                    slot = await backend.acquire(traj.id, traj.profile, setup=traj.setup)
+                else:
+                    slot = await backend.acquire(traj.id, traj.profile)
+            except SetupError as exc:
+                record["error"] = f"setup failed: {exc}"
+            except HermesModalToolError as exc:
+                record["error"] = f"could not acquire a slot: {exc}"
+            finally:
+                if snapshot is not None:
+                    await forks.taken(traj.fork)  # type: ignore[union-attr,arg-type]
+        if slot is None:
             stats.not_run += len(traj.calls)
             advance(len(traj.calls))
+            if forks is not None:
+                forks.fail(traj.id, record["error"])
             return record
         record["slot_id"] = slot.slot_id
         try:
-            for call in traj.calls:
+            for call in prelude or []:
+                [r] = await backend.execute_batch([(slot, call.tool, call.args)], timeout_s=timeout)
+                if not r.success:
+                    record["error"] = (f"setup failed: exit {r.returncode}: {r.error or ''}; output:\n"
+                                       + cap_output(r.output))
+                    break
+            record["setup_s"] = round(time.monotonic() - started, 4)
+            t_calls = time.monotonic()
+            for call in traj.calls if record["error"] is None else []:
                 t0 = time.perf_counter()
                 [r] = await backend.execute_batch([(slot, call.tool, call.args)], timeout_s=timeout)
                 stats.latencies.append(time.perf_counter() - t0)
@@ -155,6 +232,16 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
                     step["mismatches"] = problems
                 record["steps"].append(step)
                 advance(1)
+            record["rollout_s"] = round(time.monotonic() - t_calls, 4)
+            if forks is not None and traj.id in forks.snaps:
+                if record["error"] is None:
+                    forks.snaps[traj.id].set_result(await backend.snapshot(slot))
+                else:
+                    forks.fail(traj.id, record["error"])
+        except HermesModalToolError as exc:
+            record["error"] = str(exc)
+            if forks is not None:
+                forks.fail(traj.id, str(exc))
         finally:
             try:
                 await backend.release(slot, reset_workspace=True)
@@ -166,17 +253,24 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
 
 
 async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxConfig], default: str,
-                    timeout: float | None, writer: OrderedWriter, progress: ProgressReport) -> dict[str, Any]:
-    """Run every trajectory concurrently (bounded by each pool's slots); return summary figures."""
+                    timeout: float | None, writer: OrderedWriter, progress: ProgressReport,
+                    use_forks: bool = True) -> dict[str, Any]:
+    """Run every trajectory concurrently (bounded by each pool's slots); return summary figures.
+
+    ``use_forks`` False: each trajectory redoes its setup (and a fork's source's calls)
+    in its own slot, for a comparison with the same file run with forks."""
     backend = ToolBackend(profiles=profiles, default_profile=default)
     stats = Stats()
     t_start = time.monotonic()
     ok = 0
     sandboxes = 0
+    by_id = {t.id: t for t in trajectories}
+    forks: Forks | None = None
     try:
         used = sorted({t.profile or default for t in trajectories})
         await backend.start(used)
         t_run = time.monotonic()
+        forks = Forks(backend, trajectories) if use_forks else None
         # At most as many trajectories wait for a slot as the pool can ever hold, so a
         # long queue never runs into acquire_timeout_s.
         limits = {name: asyncio.Semaphore(p.slots_per_sandbox * p.max_sandboxes) for name, p in profiles.items()}
@@ -184,7 +278,8 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
         async def one(i: int, traj: Trajectory) -> None:
             nonlocal ok
             record = await run_trajectory(backend, traj, timeout, limits[traj.profile or default],
-                                          stats, progress.advance)
+                                          stats, progress.advance, forks,
+                                          None if use_forks else replayed(traj, by_id))
             ok += record["ok"]
             writer.put(i, record)
 
@@ -193,12 +288,15 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
         final_status = backend.get_status()
         sandboxes = sum(p.get("sandboxes_started", 0) for p in final_status["pools"].values())
     finally:
+        if forks is not None:
+            await forks.close()
         await backend.stop()
     return {"trajectories": len(trajectories), "ok": ok, "calls": len(stats.latencies),
             "not_run": stats.not_run, "failed_calls": stats.failed_calls, "mismatches": stats.mismatches,
             "startup_s": t_run - t_start, "run_s": t_end - t_run, "wall_s": t_end - t_start,
             "p50": percentile(stats.latencies, 50), "p99": percentile(stats.latencies, 99),
-            "sandboxes": sandboxes, "status": final_status}
+            "sandboxes": sandboxes, "status": final_status, "forks": use_forks,
+            "setups": final_status.get("setups", {})}
 
 
 def _ms(seconds: float | None) -> str:
@@ -219,7 +317,11 @@ def summary_table(s: Mapping[str, Any]) -> Table:
         ("calls per second (calls / run time)", f"{s['calls'] / s['run_s']:.1f}" if s["run_s"] > 0 else "-"),
         ("call latency p50", _ms(s["p50"])),
         ("call latency p99", _ms(s["p99"])),
+        ("forks and shared setups", "used" if s.get("forks", True) else "off (--no-fork: each redoes its setup)"),
     ]
+    for key, setup in (s.get("setups") or {}).items():
+        rows.append((f"setup {key[:12]}", f"ran {setup['runs']}x, {setup.get('seconds', '-')} s"
+                     + (f", {setup['failures']} failed" if setup.get("failures") else "")))
     for row in rows:
         table.add_row(*row)
     return table
@@ -237,15 +339,21 @@ def summary_table(s: Mapping[str, Any]) -> Table:
 @click.option("--timeout", type=click.FloatRange(0, MAX_TIMEOUT_S, min_open=True),
               help="Per-call timeout in seconds (a bash call's own 'timeout' wins).")
 @click.option("--no-progress", is_flag=True, help="No progress bar or progress lines.")
+@click.option("--no-fork", is_flag=True,
+              help="No forks or shared setups: each trajectory redoes its setup (and its fork "
+                   "source's calls) in its own slot (for comparison).")
 def batch(file: str, output: str | None, profiles_file: str | None, profile: str | None,
           slots_per_sandbox: int | None, max_sandboxes: int | None, timeout: float | None,
-          no_progress: bool) -> None:
+          no_progress: bool, no_fork: bool) -> None:
     """Run the trajectories of FILE (JSONL), each in its own slot, all at once.
 
-    Each line: {"id": str, "profile": str?, "meta": any?, "calls": [{"tool": str,
-    "args": {...}, "expect": {"returncode": int, "success": bool, "timed_out":
-    bool, "output_contains": str}?}]}. A call without "expect" expects success;
-    a given "expect" checks only its keys. Exits 0 when every expectation is met,
+    Each line: {"id": str, "profile": str?, "meta": any?, "setup": [str]?, "fork":
+    str?, "calls": [{"tool": str, "args": {...}, "expect": {"returncode": int,
+    "success": bool, "timed_out": bool, "output_contains": str}?}]}. A call without
+    "expect" expects success; a given "expect" checks only its keys. "setup":
+    commands run once per distinct setup (shared, snapshotted) that the trajectory
+    starts after; "fork": the id of a trajectory whose state after its calls this
+    one starts from (files, working directory, exported variables). Exits 0 when every expectation is met,
     1 otherwise, 2 on bad input.
     """
     if timeout is not None and not math.isfinite(timeout):  # FloatRange lets NaN through
@@ -267,7 +375,7 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
     try:
         with ProgressReport(console, total, not no_progress) as progress:
             summary = run_stoppable(run_batch(trajectories, profiles, default, timeout,
-                                             OrderedWriter(stream), progress))
+                                             OrderedWriter(stream), progress, use_forks=not no_fork))
     except HermesModalToolError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         sys.exit(1)

@@ -382,7 +382,9 @@ class ModalDriver(Driver):
     def _image(self, config: SandboxConfig) -> Any:
         key = (config.image, python_to_add(config))
         image = self._images.get(key)
-        if image is None:
+        if image is None and config.image.startswith("im-"):  # an image id (snapshot_sandbox)
+            image = self._images[key] = modal.Image.from_id(config.image)
+        elif image is None:
             from ..images.sources import modal_unsupported
 
             modal_unsupported(config.image, config.name)  # local sources: a clear error

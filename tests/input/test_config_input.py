@@ -41,6 +41,8 @@ BAD: dict[str, list[Any]] = {
     "scale_down_idle": ["maybe", 0, -1, math.nan, math.inf, [], None],
     "workdir": ["data", "", "/", "/a/../b", "/a\x00b", 5],
     "slot_disk": [0, -1, "1G", 1.5, 10**12],
+    "snapshot_disk": [0, -1, "1G", 1.5, 10**12, None],
+    "setup": ["echo hi", [1], {"a": 1}, 5],
     "filesystem": ["overlay2", "", "none", 5, None],
     "network": ["loopback", 2, [], None],
     "isolation": ["docker", "", True, None],

@@ -20,6 +20,7 @@ from ._common import (
     _new_id,
 )
 from ._processes import _Process, _Sandbox
+from ._records import _IMAGES
 
 
 class _Containers:
@@ -82,6 +83,9 @@ class _Containers:
             return
         rec = sb.record
         await asyncio.to_thread(self._make_fs, rec.state_dir, rec.workdir)
+        image = _IMAGES.get(rec.image_id)
+        if image is not None and image.fs_snapshot is not None:  # Sandbox.snapshot_filesystem
+            await asyncio.to_thread(self._restore_fs, image, rec.state_dir)
         if sb.result is not None:
             return
         rec.task_id = _new_id("ta") if rec.api_version == 1 else _new_id("ta", 21, "V")

@@ -16,6 +16,7 @@ class ImageRecord:
         commands: all Dockerfile commands, base layers first.
         builder_version: the image builder version the SDK used.
         python_version: the standalone Python added (``add_python``), e.g. ``"3.11.13"``.
+        fs_snapshot: where a filesystem snapshot's files are (``snapshot_of``: its sandbox).
     """
 
     image_id: str
@@ -23,6 +24,9 @@ class ImageRecord:
     commands: list[str]
     builder_version: str
     python_version: str | None = None
+    #: a filesystem snapshot's files (``Sandbox.snapshot_filesystem``), else None
+    fs_snapshot: Path | None = None
+    snapshot_of: str | None = None
 
 
 @dataclasses.dataclass

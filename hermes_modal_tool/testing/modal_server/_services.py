@@ -79,6 +79,7 @@ class _ControlPlane(api_grpc.ModalClientBase):
     AppList = _unary("_app_list")
     ImageGetOrCreate = _unary("_image_get_or_create")
     ImageJoinStreaming = _unary("_image_join_streaming")
+    ImageFromId = _unary("_image_from_id")
     MountGetOrCreate = _unary("_mount_get_or_create")
     MountPutFile = _unary("_mount_put_file")
     SecretGetOrCreate = _unary("_secret_get_or_create")
@@ -124,3 +125,4 @@ class _CommandRouter(task_command_router_grpc.TaskCommandRouterBase):
     SandboxStdioReadV2 = _streaming("_sandbox_stdio_read_v2")
     SandboxStdinWriteV2 = _unary("_sandbox_stdin_write_v2")
     SandboxWaitUntilReady = _unary("_sandbox_wait_until_ready")
+    TaskSnapshotFilesystem = _unary("_task_snapshot_filesystem")

@@ -32,6 +32,7 @@ from ._processes import _Process, _Sandbox
 from ._records import ImageRecord, SandboxRecord, _Secret
 from ._router import _RouterHandlers
 from ._services import _CommandRouter, _ControlPlane, _CountingStream
+from ._snapshots import _FsSnapshots
 
 logger = logging.getLogger("hermes_modal_tool.testing.modal_server")
 
@@ -39,7 +40,7 @@ logger = logging.getLogger("hermes_modal_tool.testing.modal_server")
 # -- the server ----------------------------------------------------------------------
 
 
-class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FaultInjection):
+class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsSnapshots, _FaultInjection):
     """A local stand-in for Modal's API whose sandboxes are bubblewrap containers.
 
     Resembles a ``grpclib`` server (start/stop, ``async with``). All state lives in

@@ -1,0 +1,303 @@
+"""Snapshots as tar streams: export a frozen layer chain, import one (the agent's side).
+
+Stdlib-only, Python 3.8.
+
+Format (a POSIX tar, pax headers): first ``hmt-snapshot.json`` (format version, the
+layer roots ``mounts``, the number of layers, the shell state and the file tools'
+directory), then each layer's files, top layer first, as ``L{k}/m{i}/path`` (layer ``k``,
+mount ``i``). Owners are made portable: the uid/gid of the slot that wrote a layer
+becomes 0 (its root); an importing sandbox maps 0 to each fork's own uid. Whiteouts
+are the character devices 0/0 overlayfs uses; overlay markers and other extended
+attributes travel as pax records ``HMT.xattr.NAME`` (base64).
+
+Both directions stream: the tar is written (or read) by a worker thread through a pipe,
+and the host moves it in chunks of at most :data:`CHUNK_BYTES`, one request per chunk.
+An import checks every member: relative names below its layer, no ``..``, nothing
+below a symbolic link it made, hard links to earlier members only, devices only as
+whiteouts.
+"""
+
+import base64
+import io
+import itertools
+import json
+import os
+import stat
+import tarfile
+import threading
+
+from . import trees
+from .rootfs import _Layer
+from .snapshots import SnapshotError, store
+
+#: Largest chunk of a stream per request (bytes, before base64).
+CHUNK_BYTES = 4 * 1024 * 1024
+META = "hmt-snapshot.json"
+FORMAT = 1
+#: Extended attributes that never travel (meaningful only on the file system they are on).
+LOCAL_XATTRS = ("trusted.overlay.origin", "trusted.overlay.impure", "trusted.overlay.uuid",
+                "trusted.overlay.nlink", "trusted.overlay.upper")
+_ids = itertools.count(1)
+#: Members were checked here (names, links, devices): no further filter (Python >= 3.12 has them).
+_TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+
+
+class _Stream:
+    """One export or import: a pipe between a worker thread and the requests."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        self.r, self.w = os.pipe()
+        self.error = None
+        self.result = None
+        self.thread = None
+
+    def start(self, fn):
+        own = "w" if self.kind == "export" else "r"  # the thread's end of the pipe
+
+        def run():
+            try:
+                self.result = fn()
+            except BaseException as exc:  # noqa: BLE001 - reported on the next request
+                self.error = exc
+            finally:
+                self.close(own)
+        self.thread = threading.Thread(target=run, name="hermes-modal-tool-%s" % self.kind, daemon=True)
+        self.thread.start()
+
+    def close(self, *ends):
+        """Close ends ``"r"``/``"w"`` of the pipe once each (an fd number is reused)."""
+        with _close_lock:
+            for end in ends or ("r", "w"):
+                fd = getattr(self, end)
+                if fd is not None:
+                    setattr(self, end, None)
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+
+
+_close_lock = threading.Lock()
+
+
+def _streams(agent):
+    s = getattr(agent, "snapshot_streams", None)
+    if s is None:
+        s = agent.snapshot_streams = {}
+    return s
+
+
+async def serve(agent, msg):
+    op = msg.get("op")
+    loop = agent.loop
+    streams = _streams(agent)
+    if op == "export_snapshot":
+        sid = msg.get("stream")
+        if sid is None:
+            frozen = store(agent).get(msg.get("snapshot"))
+            frozen.users += 1  # kept while it is read
+            stream = _Stream("export")
+            stream.frozen = frozen
+            sid = "x%d" % next(_ids)
+            streams[sid] = stream
+            out = os.fdopen(stream.w, "wb", closefd=False)
+            stream.start(lambda: _write_tar(agent, frozen, out))
+            return {"stream": sid}
+        stream = streams.get(sid)
+        if stream is None or stream.kind != "export":
+            raise SnapshotError("no export stream %r" % (sid,))
+        data = await loop.run_in_executor(agent.executor("files"), _read_chunk, stream.r,
+                                          int(msg.get("max_bytes") or CHUNK_BYTES))
+        eof = not data
+        if eof:
+            await loop.run_in_executor(None, stream.thread.join)
+            del streams[sid]
+            stream.close()
+            store(agent).unuse(stream.frozen)
+            if stream.error is not None:
+                raise SnapshotError("export failed: %s: %s" % (type(stream.error).__name__, stream.error))
+        return {"data": base64.b64encode(data).decode("ascii"), "eof": eof}
+    # import_snapshot
+    sid = msg.get("stream")
+    if sid is None:
+        st = store(agent)
+        st.seq += 1
+        base = os.path.join(agent.state_dir, "imports", "i%d" % st.seq)
+        os.makedirs(base, mode=0o700)
+        stream = _Stream("import")
+        stream.base = base
+        sid = "i%d" % next(_ids)
+        streams[sid] = stream
+        src = os.fdopen(stream.r, "rb", closefd=False)
+        stream.start(lambda: _read_tar(agent, base, src))
+        return {"stream": sid}
+    stream = streams.get(sid)
+    if stream is None or stream.kind != "import":
+        raise SnapshotError("no import stream %r" % (sid,))
+    data = msg.get("data")
+    if data:
+        raw = base64.b64decode(data)
+        try:
+            await loop.run_in_executor(agent.executor("files"), _write_all, stream.w, raw)
+        except OSError:
+            pass  # the reader stopped: its error is reported at the end
+    if not msg.get("end"):
+        return {"received": len(data or "")}
+    stream.close("w")
+    await loop.run_in_executor(None, stream.thread.join)
+    del streams[sid]
+    stream.close()
+    if stream.error is not None:
+        agent.own(_remove(agent, stream.base))
+        raise SnapshotError("import failed: %s" % (stream.error,))
+    meta, sizes = stream.result
+    st = store(agent)
+    parent = None
+    for k in reversed(range(meta["layers"])):
+        frozen = st.add(os.path.join(stream.base, "L%d" % k), 0, parent, sizes[k], meta.get("state") or "")
+        frozen.ws = meta.get("workspace")
+        if parent is not None:
+            parent.users += 1
+        parent = frozen
+    parent.holds = 1
+    return {"snapshot": parent.id, "size_bytes": sum(sizes), "depth": meta["layers"],
+            "total_bytes": st.total_bytes()}
+
+
+async def _remove(agent, path):
+    await agent.loop.run_in_executor(agent.executor("files"), trees.remove_tree, path)
+
+
+def _read_chunk(fd, limit):
+    out = []
+    got = 0
+    while got < limit:
+        data = os.read(fd, min(limit - got, 1 << 20))
+        if not data:
+            break
+        out.append(data)
+        got += len(data)
+    return b"".join(out)
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_tar(agent, frozen, out):
+    mounts = agent.upper_plan.mounts
+    chain = []
+    layer = frozen
+    while layer is not None:
+        chain.append(layer)
+        layer = layer.parent
+    meta = {"format": FORMAT, "mounts": mounts, "layers": len(chain), "state": frozen.state,
+            "workspace": frozen.ws}
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        raw = json.dumps(meta).encode()
+        info = tarfile.TarInfo(META)
+        info.size = len(raw)
+        tar.addfile(info, io.BytesIO(raw))
+        for k, layer in enumerate(chain):
+            for i in range(len(mounts)):
+                top = _Layer(layer.path).dirs(i)[0]
+                _add_tree(tar, top, "L%d/m%d" % (k, i), layer.owner)
+    out.close()
+
+
+def _add_tree(tar, top, prefix, owner):
+    stack = [("", top)]
+    while stack:
+        rel, path = stack.pop()
+        info = tar.gettarinfo(path, arcname=prefix + ("/" + rel if rel else ""))
+        if info is None:
+            continue  # a socket: not part of a state
+        if info.uid == owner:
+            info.uid, info.uname = 0, ""
+        if info.gid == owner:
+            info.gid, info.gname = 0, ""
+        try:
+            names = os.listxattr(path, follow_symlinks=False)
+        except OSError:
+            names = []
+        for name in names:
+            if name not in LOCAL_XATTRS:
+                value = os.getxattr(path, name, follow_symlinks=False)
+                info.pax_headers["HMT.xattr." + name] = base64.b64encode(value).decode("ascii")
+        if info.isreg():
+            with open(path, "rb") as fh:
+                tar.addfile(info, fh)
+        else:
+            tar.addfile(info)
+        if info.isdir():
+            with os.scandir(path) as it:
+                for entry in sorted(it, key=lambda e: e.name, reverse=True):
+                    stack.append(((rel + "/" if rel else "") + entry.name, entry.path))
+
+
+def _read_tar(agent, base, src):
+    mounts = agent.upper_plan.mounts
+    meta = None
+    sizes = {}
+    links = set()
+    seen = set()
+    with tarfile.open(fileobj=src, mode="r|") as tar:
+        for member in tar:
+            if meta is None:
+                if member.name != META or not member.isreg() or member.size > 64 * 1024 * 1024:
+                    raise SnapshotError("not a snapshot stream: it must start with %s" % META)
+                meta = json.loads(tar.extractfile(member).read().decode())
+                if meta.get("format") != FORMAT:
+                    raise SnapshotError("snapshot format %r; this agent reads %d" % (meta.get("format"), FORMAT))
+                if list(meta.get("mounts") or []) != list(mounts):
+                    raise SnapshotError("the snapshot's layer roots %s differ from this sandbox's %s "
+                                        "(another image or profile?)" % (meta.get("mounts"), mounts))
+                if not isinstance(meta.get("layers"), int) or not 1 <= meta["layers"] <= 128:
+                    raise SnapshotError("bad layer count %r" % (meta.get("layers"),))
+                continue
+            parts = member.name.split("/")
+            if (len(parts) < 2 or member.name.startswith("/") or any(p in ("", ".", "..") for p in parts)
+                    or not parts[0].startswith("L") or not parts[1].startswith("m")):
+                raise SnapshotError("bad member name %r" % member.name)
+            try:
+                k, i = int(parts[0][1:]), int(parts[1][1:])
+            except ValueError:
+                raise SnapshotError("bad member name %r" % member.name) from None
+            if not (0 <= k < meta["layers"] and 0 <= i < len(mounts)):
+                raise SnapshotError("member %r is outside the snapshot's layers" % member.name)
+            if any("/".join(parts[:j]) in links for j in range(1, len(parts))):
+                raise SnapshotError("member %r is below a symbolic link" % member.name)
+            if member.isdev() and not (member.ischr() and member.devmajor == 0 and member.devminor == 0):
+                raise SnapshotError("device %r is not a whiteout" % member.name)
+            if member.islnk() and member.linkname not in seen:
+                raise SnapshotError("hard link %r to %r, not an earlier member" % (member.name, member.linkname))
+            if member.issym():
+                links.add(member.name)
+            seen.add(member.name)
+            dest = os.path.join(base, "L%d" % k, "upper" if i == 0 else "layers/%d/upper" % i,
+                                *parts[2:])
+            if len(parts) == 2:
+                os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+            xattrs = {n[len("HMT.xattr."):]: v for n, v in member.pax_headers.items()
+                      if n.startswith("HMT.xattr.")}
+            if member.islnk():
+                lk = member.linkname.split("/")
+                target = os.path.join(base, lk[0], "upper" if lk[1] == "m0" else "layers/%s/upper" % lk[1][1:],
+                                      *lk[2:])
+                os.link(target, dest)
+                continue
+            member.name = os.path.relpath(dest, base)
+            tar.extract(member, base, set_attrs=True, numeric_owner=True, **_TRUSTED)
+            for name, value in xattrs.items():
+                os.setxattr(dest, name, base64.b64decode(value), follow_symlinks=False)
+            if member.isreg():
+                sizes[k] = sizes.get(k, 0) + member.size
+            if member.isdir() and len(parts) == 2:
+                os.chmod(dest, stat.S_IMODE(member.mode))
+    if meta is None:
+        raise SnapshotError("empty snapshot stream")
+    return meta, [sizes.get(k, 0) for k in range(meta["layers"])]
+
