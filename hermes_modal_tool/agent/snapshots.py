@@ -39,8 +39,12 @@ from . import trees
 OPS = ("snapshot", "fork", "release_snapshot", "snapshots", "export_snapshot", "import_snapshot")
 #: Largest shell state a snapshot keeps (exported variables, functions, aliases), bytes.
 STATE_LIMIT = 4 * 1024 * 1024
-#: What the slot's shell prints to describe its state (replayable bash).
-CAPTURE = ("builtin export -p\nbuiltin declare -f\nbuiltin alias -p\n"
+#: What the slot's shell prints to describe its state (replayable bash); the agent's own
+#: functions (``__hmt_*``, the shell's command loop, read-only) are not part of it.
+CAPTURE = ("builtin export -p\n"
+           "for __hmt_x in $(builtin compgen -A function); do case $__hmt_x in __hmt_*) ;; "
+           "*) builtin declare -f -- \"$__hmt_x\";; esac; done; builtin unset -v __hmt_x\n"
+           "builtin alias -p\n"
            "builtin printf 'builtin cd -- %q\\n' \"$PWD\"\n")
 _EXPORT_NAME = re.compile(r"^declare -[-a-zA-Z]* ([A-Za-z_][A-Za-z0-9_]*)", re.M)
 
