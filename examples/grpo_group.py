@@ -65,12 +65,14 @@ CANDIDATES = ["+", "-", "*", "/", "//", "%", "**", "-"]  # 8 rollouts per task, 
 def wheel_bytes() -> bytes:
     """A pure-Python wheel of ``gradekit`` (built here: no network, no build tools)."""
     buf = io.BytesIO()
+    files = {"gradekit/__init__.py": GRADEKIT,
+             "gradekit-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: gradekit\nVersion: 1.0\n",
+             "gradekit-1.0.dist-info/WHEEL": ("Wheel-Version: 1.0\nGenerator: grpo_group.py\n"
+                                              "Root-Is-Purelib: true\nTag: py3-none-any\n"),
+             "gradekit-1.0.dist-info/RECORD": ""}
     with zipfile.ZipFile(buf, "w") as z:
-        z.writestr("gradekit/__init__.py", GRADEKIT)
-        z.writestr("gradekit-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: gradekit\nVersion: 1.0\n")
-        z.writestr("gradekit-1.0.dist-info/WHEEL",
-                   "Wheel-Version: 1.0\nGenerator: grpo_group.py\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr("gradekit-1.0.dist-info/RECORD", "")
+        for name, text in files.items():  # fixed dates: the same wheel (and file) every run
+            z.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), text)
     return buf.getvalue()
 
 
