@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._artifact_api import ArtifactMethods
 from ._snapshot_api import SnapshotMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .drivers import make_driver
@@ -35,7 +36,7 @@ from .slots import ExecutionResult, Slot
 from .snapshots import SlotSnapshot, Snapshots
 
 
-class ToolBackend(SnapshotMethods):
+class ToolBackend(SnapshotMethods, ArtifactMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,
@@ -426,51 +427,6 @@ class ToolBackend(SnapshotMethods):
                       timeout_s: float | None = None) -> ExecutionResult:
         """One tool call (``execute_batch`` of one)."""
         return (await self.execute_batch([(slot, tool, args)], timeout_s))[0]
-
-    # -- artifacts ------------------------------------------------------------------
-    async def read_artifact(self, slot: Slot, path: str, *, encoding: str = "text",
-                            max_bytes: int | None = None, include_sha256: bool = False,
-                            timeout_s: float | None = None) -> dict[str, Any]:
-        """Read a file of the slot (a path relative to its workspace, or absolute in its view).
-
-        Args:
-            max_bytes: read at most this many bytes (at most 64 MiB); default the
-                profile's ``output_limit`` as bytes (the agent holds and sends what it
-                reads: every per-call buffer is bounded by the call's cap). ``truncated``
-                says when the file has more.
-
-        Returns:
-            ``{"success", "content", "error", "size", "truncated"}`` plus ``sha256``
-            when asked; ``content`` is text or base64 per ``encoding``.
-        """
-        r = await self.execute(slot, "read_artifact", {"path": path, "encoding": encoding,
-                                                       "max_bytes": max_bytes,
-                                                       "include_sha256": include_sha256}, timeout_s)
-        out = {"success": r.success, "content": r.metadata.get("content", "") if r.success else "",
-               "error": r.error}
-        for key in ("size", "truncated", "sha256", "path"):
-            if key in r.metadata:
-                out[key] = r.metadata[key]
-        return out
-
-    async def list_artifacts(self, slot: Slot, path: str = ".", *, recursive: bool = False,
-                             max_entries: int | None = None,
-                             timeout_s: float | None = None) -> dict[str, Any]:
-        """List files under ``path`` in the slot's workspace: ``{"success", "entries", "error"}``."""
-        r = await self.execute(slot, "list_artifacts", {"path": path, "recursive": recursive,
-                                                        "max_entries": max_entries}, timeout_s)
-        return {"success": r.success, "entries": r.metadata.get("entries", []) if r.success else [],
-                "error": r.error, "truncated": r.metadata.get("truncated", False)}
-
-    async def archive_artifacts(self, slot: Slot, path: str = ".", *, archive_format: str = "tar.gz",
-                                max_bytes: int | None = None, max_entries: int | None = None,
-                                timeout_s: float | None = None) -> dict[str, Any]:
-        """Archive ``path`` (symlinks stored, never followed): ``{"success", "archive_base64", "format", "error"}``."""
-        r = await self.execute(slot, "archive_artifacts", {"path": path, "archive_format": archive_format,
-                                                           "max_bytes": max_bytes,
-                                                           "max_entries": max_entries}, timeout_s)
-        return {"success": r.success, "archive_base64": r.metadata.get("archive_base64", "") if r.success else "",
-                "format": archive_format, "error": r.error, "entries": r.metadata.get("entries", 0)}
 
     # -- status ---------------------------------------------------------------------------
     def get_status(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._pool_status import PoolStatus
 from .config import SandboxConfig
 from .drivers.base import Driver
 from .errors import (
@@ -56,7 +57,7 @@ class _Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class SandboxPool(SlotResets):
+class SandboxPool(SlotResets, PoolStatus):
     """Sandboxes of one profile, each with ``slots_per_sandbox`` slots.
 
     Args:
@@ -457,47 +458,6 @@ class SandboxPool(SlotResets):
         if result.metadata.get("timed_out"):
             self.stats["timeouts"] += 1
         return result
-
-    # -- status ---------------------------------------------------------------------
-    def calls_per_second(self, window: float = 10.0) -> float:
-        now = time.monotonic()
-        w = self._rate_window
-        while w and now - w[0] > window:
-            w.popleft()
-        return len(w) / window
-
-    def status(self) -> dict[str, Any]:
-        total = sum(len(r) for r in self._records.values())
-        held = sum(1 for recs in self._records.values() for r in recs if r.holder is not None)
-        quarantined = [dict(r.extra["quarantine"]) for recs in self._records.values()
-                       for r in recs if "quarantine" in r.extra and r.holder is None]
-        return {
-            "driver": self.config.driver,
-            "sandboxes": self._live(),
-            "healthy_sandboxes": sum(1 for s in self._sandboxes.values() if not s.dead),
-            "starting_sandboxes": self._starting,
-            "min_sandboxes": self.config.min_sandboxes,
-            "max_sandboxes": self.config.max_sandboxes,
-            "slots_per_sandbox": self.config.slots_per_sandbox,
-            "total_slots": total,
-            "available_slots": len(self._free),
-            "acquired_slots": held,
-            "resetting_slots": total - held - len(self._free) - len(quarantined),
-            "waiting_acquires": sum(1 for w in self._waiters if not w.done()),
-            "quarantined_slots": quarantined,
-            "calls_per_second": round(self.calls_per_second(), 2),
-            "isolation": self.info.get("isolation", self.config.isolation),
-            "filesystem": self.info.get("filesystem"),
-            "filesystem_note": self.info.get("filesystem_note") or None,
-            "slot_disk": self.info.get("slot_disk"),
-            "caps": self.info.get("caps"),
-            "limits": self.info.get("limits"),
-            "limits_note": self.info.get("limits_note") or None,
-            "abstract_sockets": self.info.get("abstract_sockets"),
-            "network": self.config.network,
-            **self.stats,
-            "last_error": self.last_error,
-        }
 
 
 def _json_ok(value: Any) -> bool:

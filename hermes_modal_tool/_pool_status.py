@@ -1,0 +1,52 @@
+"""What ``get_status()`` shows of one pool (a part of :class:`~hermes_modal_tool.pool.SandboxPool`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class PoolStatus:
+    """Mixed into the pool: needs its ``config``, ``info``, ``stats``, ``last_error``,
+    ``_records``, ``_sandboxes``, ``_free``, ``_waiters``, ``_starting``, ``_live`` and
+    ``_rate_window``."""
+
+    def calls_per_second(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        w = self._rate_window
+        while w and now - w[0] > window:
+            w.popleft()
+        return len(w) / window
+
+    def status(self) -> dict[str, Any]:
+        total = sum(len(r) for r in self._records.values())
+        held = sum(1 for recs in self._records.values() for r in recs if r.holder is not None)
+        quarantined = [dict(r.extra["quarantine"]) for recs in self._records.values()
+                       for r in recs if "quarantine" in r.extra and r.holder is None]
+        return {
+            "driver": self.config.driver,
+            "sandboxes": self._live(),
+            "healthy_sandboxes": sum(1 for s in self._sandboxes.values() if not s.dead),
+            "starting_sandboxes": self._starting,
+            "min_sandboxes": self.config.min_sandboxes,
+            "max_sandboxes": self.config.max_sandboxes,
+            "slots_per_sandbox": self.config.slots_per_sandbox,
+            "total_slots": total,
+            "available_slots": len(self._free),
+            "acquired_slots": held,
+            "resetting_slots": total - held - len(self._free) - len(quarantined),
+            "waiting_acquires": sum(1 for w in self._waiters if not w.done()),
+            "quarantined_slots": quarantined,
+            "calls_per_second": round(self.calls_per_second(), 2),
+            "isolation": self.info.get("isolation", self.config.isolation),
+            "filesystem": self.info.get("filesystem"),
+            "filesystem_note": self.info.get("filesystem_note") or None,
+            "slot_disk": self.info.get("slot_disk"),
+            "caps": self.info.get("caps"),
+            "limits": self.info.get("limits"),
+            "limits_note": self.info.get("limits_note") or None,
+            "abstract_sockets": self.info.get("abstract_sockets"),
+            "network": self.config.network,
+            **self.stats,
+            "last_error": self.last_error,
+        }
