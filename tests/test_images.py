@@ -266,3 +266,37 @@ def test_cli_exec_on_an_image_profile_shows_progress(images, tmp_path, monkeypat
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == 'PRETTY_NAME="hmt test image"\n/srv/app\n', proc.stdout
     assert "layer 1/3" in proc.stderr and "layer 3/3" in proc.stderr, proc.stderr
+
+
+def test_image_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
+    """The CLI's image progress handler: per-layer records (``image_step``) drive a rich
+    progress bar per image on a terminal; without a terminal the lines are printed."""
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from hermes_modal_tool.cli._image_progress import ImageProgress
+
+    def run(terminal: bool) -> str:
+        out = io.StringIO()
+        handler = ImageProgress(Console(file=out, force_terminal=terminal, width=100))
+        log = logging.getLogger("hermes_modal_tool.images.test-progress")
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        try:
+            log.info("image demo:1: pulling")  # no count: a line either way
+            for i in range(3):
+                log.info("image demo:1: layer %d/3", i + 1, extra={"image": "demo:1", "image_step": (i, 3)})
+            log.info("image demo:1: unpacked", extra={"image": "demo:1", "image_step": (3, 3)})
+        finally:
+            log.removeHandler(handler)
+        assert handler.progress is None  # the bar is closed once every layer is in
+        return out.getvalue()
+
+    plain = run(terminal=False)
+    assert "hermes-modal-tool: image demo:1: layer 2/3" in plain and "unpacking" not in plain
+    bar = run(terminal=True)
+    assert "unpacking demo:1" in bar and "3/3" in bar and "layer 2/3" not in bar, bar
+    assert "hermes-modal-tool: image demo:1: pulling" in bar

@@ -39,14 +39,15 @@ def main() -> None:
 
 
 def show_image_progress() -> None:
-    """Pulling and unpacking an image takes a while: its lines (one per layer) go to stderr."""
+    """Pulling and unpacking an image takes a while: a progress bar per image on a
+    terminal, its lines (one per layer) on stderr otherwise (see ``_image_progress``)."""
     import logging
 
+    from ._image_progress import ImageProgress
+
     images_log = logging.getLogger("hermes_modal_tool.images")
-    if not images_log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("hermes-modal-tool: %(message)s"))
-        images_log.addHandler(handler)
+    if not any(isinstance(h, ImageProgress) for h in images_log.handlers):
+        images_log.addHandler(ImageProgress())
         images_log.setLevel(logging.INFO)
 
 

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..errors import ImageError
 from ..images import ImageCache
+from ..images.local import progress_log
 from ._common import make_console
 
 _DIR = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
@@ -47,7 +48,8 @@ def images_list(cache_dir: str | None) -> None:
 def images_pull(image: str, cache_dir: str | None) -> None:
     """Pull (a registry reference) and unpack IMAGE into the cache now (exit 1 on failure)."""
     try:
-        got = ImageCache(cache_dir).get(image, progress=lambda line: click.echo(line, err=True))
+        got = ImageCache(cache_dir).get(image, progress=lambda line, step=None: progress_log.info(
+            "%s", line, extra={"image": image, "image_step": step}))
     except ImageError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

@@ -130,13 +130,14 @@ class ImageCache:
             tool_path: str | None = None) -> UnpackedImage:
         """The unpacked image for a profile's ``image`` (blocking: call from a thread).
 
-        ``progress(line)`` receives a line per step (pull, each layer). ``tool_path``
-        overrides ``PATH`` when looking for pull tools.
+        ``progress(line, step=None)`` receives a line per step (pull, each layer); for a
+        layer ``step`` is ``(i, n)``: layer ``i`` (1-based) of ``n`` is being applied, and
+        ``(n, n)`` once all are. ``tool_path`` overrides ``PATH`` when looking for pull tools.
 
         Raises:
             ImageError: missing, malformed or corrupt image, failed pull or unpack.
         """
-        say = progress or (lambda line: log.info("%s", line))
+        say = progress or (lambda line, step=None: log.info("%s", line))
         source = parse_source(image)
         if source.kind == "dir":
             if not os.path.isdir(source.path):
@@ -218,7 +219,7 @@ class ImageCache:
 
                 def layer_line(i: int, n: int, layer: Any) -> None:
                     size = f", {layer.size / 1e6:.1f} MB" if layer.size else ""
-                    say(f"image {image}: layer {i}/{n} {layer.digest[:19]}{size}")
+                    say(f"image {image}: layer {i}/{n} {layer.digest[:19]}{size}", step=(i - 1, n))
 
                 unpack_layers(opened, rootfs, layer_line)
             os.chmod(rootfs, 0o755)
@@ -235,7 +236,8 @@ class ImageCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._count("unpacks")
-        say(f"image {image}: unpacked {size / 1e6:.1f} MB in {time.monotonic() - started:.1f}s")
+        say(f"image {image}: unpacked {size / 1e6:.1f} MB in {time.monotonic() - started:.1f}s",
+            step=(len(opened.layers), len(opened.layers)))
         return self._entry(opened.digest)  # type: ignore[return-value]
 
     def _refs(self) -> dict[str, str]:

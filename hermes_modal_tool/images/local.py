@@ -82,8 +82,10 @@ class LocalImages:
         async with lock:
             found = self._ready.get(image)
             if not _present(found):
-                def say(line: str) -> None:
-                    progress_log.info("profile %r: %s", config.name, line)
+                def say(line: str, step: tuple[int, int] | None = None) -> None:
+                    # ``image_step``: layers applied of all; the CLI draws a bar from it.
+                    progress_log.info("profile %r: %s", config.name, line,
+                                      extra={"image": image, "image_step": step})
 
                 found = await asyncio.to_thread(self.cache.get, image, say)
                 self._ready[image] = found
