@@ -50,6 +50,7 @@ BAD: dict[str, list[Any]] = {
     "pids_limit": [0, 7, -1, 10**7, "many", None],
     "output_limit": [0, 99, -1, 10**9, "big", None],
     "add_python": ["2.7", "3", "latest", "", 3.11, None],
+    "heartbeat_timeout": [0, 2, -1, math.nan, 10**9, "30s", None],
 }
 CASES = [(f, v) for f in FIELDS for v in BAD.get(f, [])]
 
