@@ -88,6 +88,35 @@ def _streams(agent):
     return s
 
 
+def _open_stream(streams, kind, work, **attrs):
+    """Register a new ``kind`` stream ("export" or "import") whose worker thread runs
+    ``work(file)`` on its end of the pipe (written for an export, read for an import);
+    ``attrs`` are kept on the stream. Returns the stream's id."""
+    stream = _Stream(kind)
+    stream.__dict__.update(attrs)
+    sid = "%s%d" % ("x" if kind == "export" else "i", next(_ids))
+    streams[sid] = stream
+    end = os.fdopen(stream.w, "wb", closefd=False) if kind == "export" else \
+        os.fdopen(stream.r, "rb", closefd=False)
+    stream.start(lambda: work(end))
+    return sid
+
+
+def _stream_of(streams, sid, kind):
+    stream = streams.get(sid)
+    if stream is None or stream.kind != kind:
+        raise SnapshotError("no %s stream %r" % (kind, sid))
+    return stream
+
+
+async def _finish(loop, streams, sid):
+    """Wait for stream ``sid``'s worker thread (off the loop), then drop the stream."""
+    stream = streams[sid]
+    await loop.run_in_executor(None, stream.thread.join)
+    del streams[sid]
+    stream.close()
+
+
 async def serve(agent, msg):
     op = msg.get("op")
     loop = agent.loop
@@ -97,23 +126,14 @@ async def serve(agent, msg):
         if sid is None:
             frozen = store(agent).get(msg.get("snapshot"))
             frozen.users += 1  # kept while it is read
-            stream = _Stream("export")
-            stream.frozen = frozen
-            sid = "x%d" % next(_ids)
-            streams[sid] = stream
-            out = os.fdopen(stream.w, "wb", closefd=False)
-            stream.start(lambda: _write_tar(agent, frozen, out))
-            return {"stream": sid}
-        stream = streams.get(sid)
-        if stream is None or stream.kind != "export":
-            raise SnapshotError("no export stream %r" % (sid,))
+            return {"stream": _open_stream(streams, "export", lambda out: _write_tar(agent, frozen, out),
+                                           frozen=frozen)}
+        stream = _stream_of(streams, sid, "export")
         data = await loop.run_in_executor(agent.executor("files"), _read_chunk, stream.r,
                                           int(msg.get("max_bytes") or CHUNK_BYTES))
         eof = not data
         if eof:
-            await loop.run_in_executor(None, stream.thread.join)
-            del streams[sid]
-            stream.close()
+            await _finish(loop, streams, sid)
             store(agent).unuse(stream.frozen)
             if stream.error is not None:
                 raise SnapshotError("export failed: %s: %s" % (type(stream.error).__name__, stream.error))
@@ -125,16 +145,9 @@ async def serve(agent, msg):
         st.seq += 1
         base = os.path.join(agent.state_dir, "imports", "i%d" % st.seq)
         os.makedirs(base, mode=0o700)
-        stream = _Stream("import")
-        stream.base = base
-        sid = "i%d" % next(_ids)
-        streams[sid] = stream
-        src = os.fdopen(stream.r, "rb", closefd=False)
-        stream.start(lambda: _read_tar(agent, base, src))
-        return {"stream": sid}
-    stream = streams.get(sid)
-    if stream is None or stream.kind != "import":
-        raise SnapshotError("no import stream %r" % (sid,))
+        return {"stream": _open_stream(streams, "import", lambda src: _read_tar(agent, base, src),
+                                       base=base)}
+    stream = _stream_of(streams, sid, "import")
     data = msg.get("data")
     if data:
         raw = base64.b64decode(data)
@@ -145,9 +158,7 @@ async def serve(agent, msg):
     if not msg.get("end"):
         return {"received": len(data or "")}
     stream.close("w")
-    await loop.run_in_executor(None, stream.thread.join)
-    del streams[sid]
-    stream.close()
+    await _finish(loop, streams, sid)
     if stream.error is not None:
         agent.own(_remove(agent, stream.base))
         raise SnapshotError("import failed: %s" % (stream.error,))
