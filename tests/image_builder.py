@@ -25,6 +25,18 @@ def missing_tools() -> list[str]:
     return [t for t in TOOLS if shutil.which(t) is None]
 
 
+def images_for_tests(tmp_path_factory) -> dict[str, str]:
+    """:func:`build_images` for a module's fixture: skips where images cannot be slots'
+    lower layers (not root), fails naming the tools to install when one is missing."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("images are the lower layer of a slot's layered root: that needs root")
+    missing = missing_tools()
+    assert not missing, f"run 'bash scripts/setup.sh dev' as root: it installs {missing}"
+    return build_images(tmp_path_factory.mktemp("images"))
+
+
 def run(*argv: str) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -10,28 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import bash, run, write_jsonl
 
 from hermes_modal_tool import cli
 from hermes_modal_tool.protocol import TOOLS
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli.main, list(args), catch_exceptions=False)
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def bash(command: str, **expect):
-    call = {"tool": "bash", "args": {"command": command}}
-    if expect:
-        call["expect"] = expect
-    return call
 
 
 def test_batch_runs_each_trajectory_in_its_own_slot(tmp_path: Path) -> None:

@@ -9,28 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from hermes_modal_tool import cli
+from cli_helpers import bash, run, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="forks need a layered root (run as root)")
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli.main, list(args), catch_exceptions=False)
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def bash(command: str, **expect):
-    call = {"tool": "bash", "args": {"command": command}}
-    if expect:
-        call["expect"] = expect
-    return call
 
 
 SETUP = ["mkdir -p /workspace/p && cd /workspace/p && echo $RANDOM$RANDOM > seed && export MODE=ready"]

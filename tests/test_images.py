@@ -7,7 +7,6 @@ public API: profiles with ``image=...``, ``get_status()``, the CLI.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from image_builder import OS_RELEASE, build_images, missing_tools, tree
+from image_builder import OS_RELEASE, images_for_tests, tree
 from support import SMALL, bash
 
 from hermes_modal_tool import ImageError, SandboxConfig, SandboxStartError
@@ -26,11 +25,7 @@ from hermes_modal_tool.images import ImageCache
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> dict[str, str]:
-    if os.geteuid() != 0:
-        pytest.skip("images are the lower layer of a slot's layered root: that needs root")
-    missing = missing_tools()
-    assert not missing, f"run 'bash scripts/setup.sh dev' as root: it installs {missing}"
-    return build_images(tmp_path_factory.mktemp("images"))
+    return images_for_tests(tmp_path_factory)
 
 
 @pytest.fixture

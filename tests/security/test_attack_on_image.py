@@ -11,10 +11,8 @@ about host files (``/etc/shadow`` is the image's own here).
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from image_builder import build_images, missing_tools
+from image_builder import images_for_tests
 
 from hermes_modal_tool.testing.images import debian_image
 
@@ -41,11 +39,7 @@ NEEDS_DEBIAN = {"test_cannot_see_signal_or_trace_other_slots_or_the_agent",
 
 @pytest.fixture(scope="module")
 def built_images(tmp_path_factory) -> dict[str, str]:
-    if os.geteuid() != 0:
-        pytest.skip("images are the lower layer of a slot's layered root: that needs root")
-    missing = missing_tools()
-    assert not missing, f"run 'bash scripts/setup.sh dev' as root: it installs {missing}"
-    return {"busybox": build_images(tmp_path_factory.mktemp("images"))["plain"]}
+    return {"busybox": images_for_tests(tmp_path_factory)["plain"]}
 
 
 def pytest_generate_tests(metafunc):
