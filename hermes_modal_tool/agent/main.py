@@ -284,6 +284,8 @@ class Agent(Setup, Calls, DiskWatch):
         self.admission.close()
         if self.notice_timer is not None:
             self.notice_timer.cancel()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if "spawn" in self._executors:
             self._executors["spawn"].shutdown(wait=False)
         if self.cgroups:
