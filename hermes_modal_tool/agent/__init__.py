@@ -47,6 +47,7 @@ _MODULES = (
 
 BOOTSTRAP = (
     "import os,sys,json,types,marshal,binascii\n"
+    "sys.modules['ssl']=None\n"
     "def r(n):\n"
     " b=b''\n"
     " while len(b)<n:\n"

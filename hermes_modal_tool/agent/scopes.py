@@ -17,7 +17,6 @@ functions returned run between fork and exec, so they only make syscalls.
 
 import ctypes
 import os
-import platform
 import struct
 
 #: ``keyctl(2)`` by machine (not wrapped by Python); None where unknown.
@@ -42,7 +41,7 @@ def _libc():
 
 def keyctl():
     """A callable ``keyctl(op, arg)`` via libc's ``syscall``, loaded before any fork."""
-    number = _SYS_KEYCTL.get(platform.machine())
+    number = _SYS_KEYCTL.get(os.uname().machine)
     if number is None:
         return None
     syscall = _libc().syscall
