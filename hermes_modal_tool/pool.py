@@ -160,6 +160,7 @@ class SandboxPool(SlotResets, PoolStatus):
             sb = Sandbox(sandbox_id, handle, self.config.slots_per_sandbox, self._on_death)
             try:
                 self.info = await sb.initialize(init)
+                self.driver.started(init, self.info)
             except BaseException:
                 await sb.close()
                 handle = None

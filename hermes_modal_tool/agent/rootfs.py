@@ -410,11 +410,13 @@ def _unmount_layer(layer):
     layer.lower_mounts = []
 
 
-def probe(state_dir):
+def probe(state_dir, known=False):
     """Can slots get a layered root here? Returns ``""`` when they can, else why not.
 
     Moves the agent into its own mount namespace (which it keeps) and mounts one test
-    overlay over an idmapped ``/``, then removes it.
+    overlay over an idmapped ``/``, then removes it. ``known``: the driver saw an earlier
+    agent on this host and file system pass the test (the local driver remembers it per
+    process), so only the namespace is made (~7 ms less per start).
     """
     if os.geteuid() != 0:
         return "the agent is not root (idmapped mounts need CAP_SYS_ADMIN)"
@@ -422,6 +424,8 @@ def probe(state_dir):
         enter_private_mount_namespace()
     except OSError as exc:
         return "no private mount namespace: %s" % (exc.strerror or exc,)
+    if known:
+        return ""
     test = os.path.join(state_dir, "fs-probe")
     lower = os.path.join(test, "lower")
     try:

@@ -116,7 +116,7 @@ class Setup:
                    else "the agent is not root, so slots cannot have a uid of their own")
         else:
             os.makedirs(self.state_dir, exist_ok=True)
-            why = rootfs.probe(self.state_dir)
+            why = rootfs.probe(self.state_dir, known=bool(cfg.get("layered_root_known")))
         if why:
             if wanted == "overlay":
                 raise RuntimeError("%s is not possible here: %s" % (

@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import stat
-import tarfile
 import threading
 
 from . import trees
@@ -38,8 +37,12 @@ FORMAT = 1
 LOCAL_XATTRS = ("trusted.overlay.origin", "trusted.overlay.impure", "trusted.overlay.uuid",
                 "trusted.overlay.nlink", "trusted.overlay.upper")
 _ids = itertools.count(1)
-#: Members were checked here (names, links, devices): no further filter (Python >= 3.12 has them).
-_TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+
+
+def _trusted(tarfile):
+    """Members were checked here (names, links, devices): no further filter (Python >= 3.12
+    has them)."""
+    return {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
 class _Stream:
@@ -199,6 +202,8 @@ def _write_all(fd, data):
 
 
 def _write_tar(agent, frozen, out):
+    import tarfile  # here, not at the top: it costs ~5 ms of every agent's start
+
     mounts = agent.upper_plan.mounts
     chain = []
     layer = frozen
@@ -250,6 +255,8 @@ def _add_tree(tar, top, prefix, owner):
 
 
 def _read_tar(agent, base, src):
+    import tarfile
+
     mounts = agent.upper_plan.mounts
     meta = None
     sizes = {}
@@ -301,7 +308,7 @@ def _read_tar(agent, base, src):
                 os.link(target, dest)
                 continue
             member.name = os.path.relpath(dest, base)
-            tar.extract(member, base, set_attrs=True, numeric_owner=True, **_TRUSTED)
+            tar.extract(member, base, set_attrs=True, numeric_owner=True, **_trusted(tarfile))
             for name, value in xattrs.items():
                 os.setxattr(dest, name, base64.b64decode(value), follow_symlinks=False)
             if member.isreg():

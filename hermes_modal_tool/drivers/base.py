@@ -59,6 +59,11 @@ class Driver(abc.ABC):
             SandboxStartError: the sandbox could not be started.
         """
 
+    def started(self, init: dict[str, Any], info: dict[str, Any]) -> None:
+        """Called with a sandbox's init config and its agent's init reply once it is ready
+        (what a driver may remember for the next start); the default does nothing."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Facts for ``get_status()`` (isolation, bwrap path, ...)."""
         return {"driver": self.name}

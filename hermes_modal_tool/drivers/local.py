@@ -41,6 +41,9 @@ BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _UID_SEQ = itertools.count(random.randrange(0, 16384))
 _warned: set[tuple[str, str]] = set()  # (field, value) already warned about in this process
 _USERNS_OK: set[str] = set()  # bwrap paths known to work in this process
+#: State roots (by device) where an agent of this process gave its slots a layered root:
+#: later agents there skip the test mount (see :func:`.agent.rootfs.probe`).
+_LAYERED_OK: set[int] = set()
 
 
 def find_bwrap() -> str:
@@ -447,6 +450,7 @@ class LocalDriver(Driver):
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
             "hide_host_top": True,
+            "layered_root_known": self._device() in _LAYERED_OK,
             "masked": await root_only_files()
             if config.isolation == "bwrap" and root and image is None else [],
         }
@@ -470,6 +474,13 @@ class LocalDriver(Driver):
         handle = LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup, cgroup)
         handle.image_hold = held  # closed when the sandbox stops (prune skips the image until)
         return handle, init
+
+    def _device(self) -> int:
+        return os.stat(self.state_root).st_dev
+
+    def started(self, init: dict[str, Any], info: dict[str, Any]) -> None:
+        if info.get("filesystem") == "overlay" and init.get("isolation") == "bwrap":
+            _LAYERED_OK.add(self._device())
 
     def describe(self) -> dict[str, Any]:
         return {"driver": self.name, "bwrap": self._bwrap, "state_root": str(self.state_root),
