@@ -18,7 +18,7 @@ import signal
 import sys
 
 from .. import protocol
-from . import admission, snapshots, trees
+from . import admission, rootfs, snapshots, trees
 from .calls import FILE_THREADS, STOPPED_BEFORE, Calls
 from .diskwatch import DiskWatch
 from .setup import Setup
@@ -55,6 +55,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.spare_starting = False  # a spare's shell is starting (one at a time)
         self.slot_disk_mb = None
         self.filesystem = "workspace-only"
+        self.template_dir = None  # the slots' template layers' tmpfs (see setup, rootfs)
         self.unstarted = {}  # id(msg) -> a call that has not started yet
         self.notices = []  # heap of (when to notice, seq, id(msg))
         self.notice_seq = itertools.count()
@@ -306,6 +307,11 @@ class Agent(Setup, Calls, DiskWatch):
                     slot.root.teardown()
                 except OSError as exc:
                     sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
+        if self.template_dir:
+            try:
+                rootfs.umount(self.template_dir)
+            except OSError as exc:
+                sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
         for pool in self._executors.values():
             pool.shutdown(wait=False)
         if self.config and self.config.get("remove_state", True):

@@ -161,6 +161,12 @@ def mount_overlay(lower, upper, work, target, extra=None):
            "mount overlay at %s" % target)
 
 
+def mount_tmpfs(target, opts, flags=0):
+    """Mount a tmpfs with ``opts`` (e.g. ``"size=1m,mode=711"``) at ``target``."""
+    _check(libc().mount(b"tmpfs", os.fsencode(target), b"tmpfs", flags, os.fsencode(opts)),
+           "mount tmpfs at %s" % target)
+
+
 def mount_overlay_readonly(lowers, target):
     """A read-only overlay of ``lowers`` (``a:b:...``, top first) at ``target``."""
     _check(libc().mount(b"overlay", os.fsencode(target), b"overlay", MS_RDONLY,

@@ -133,14 +133,18 @@ class UpperPlan:
                 best = mount
         return best, path[len(best):] if best != "/" else path
 
+    def own_upper(self, upper, mount, uid, gid):
+        """Give layer root ``upper`` (of ``mount``) the slot's owner and the root's mode."""
+        os.chown(upper, uid, gid)
+        os.chmod(upper, 0o755 if mount == "/" else
+                 stat.S_IMODE(os.stat(self.source_of(mount)).st_mode))
+
     def apply(self, uppers, uid, gid, dirs=()):
-        """Fill the new, empty writable layers ``uppers`` (mount -> upper directory) as the
-        agent (real root); ``dirs`` (absolute, in the slot's view) are created when the
-        root does not have them."""
+        """Fill the new, empty layers ``uppers`` (mount -> directory: a slot's template, see
+        :mod:`.rootfs`) as the agent (real root); ``dirs`` (absolute, in the slot's view) are
+        created when the root does not have them."""
         for mount, upper in uppers.items():
-            os.chown(upper, uid, gid)
-            os.chmod(upper, 0o755 if mount == "/" else
-                     stat.S_IMODE(os.stat(self.source_of(mount)).st_mode))
+            self.own_upper(upper, mount, uid, gid)
         for name, mode in self.empty:
             path = self._make(uppers, name, uid, gid)
             os.mkdir(path)

@@ -124,8 +124,17 @@ class Setup:
                     else "filesystem: overlay", why))
             return "workspace-only", why
         self.trash_dir = os.path.join(self.state_dir, "trash")
-        for sub in ("fs", "mnt", "trash"):
+        for sub in ("fs", "mnt", "trash", "tpl"):
             os.makedirs(os.path.join(self.state_dir, sub), mode=0o711, exist_ok=True)
+        # The slots' template layers (see rootfs): ~40 entries and one small file per slot.
+        self.template_dir = os.path.join(self.state_dir, "tpl")
+        try:
+            rootfs.mount_tmpfs(self.template_dir, "size=%dk,mode=711" % (1024 + 16 * int(cfg["slots"])))
+        except OSError as exc:
+            why = "no tmpfs for the slots' template layers: %s" % (exc.strerror or exc,)
+            if wanted == "overlay":
+                raise RuntimeError("a layered root is not possible here: %s" % why) from None
+            return "workspace-only", why
         hidden = list(self.hide) + [self.state_dir, self.ctl_root]
         base = self.workspace_base.rstrip("/")
         if not (base == self.host_root or base.startswith(self.host_root + "/")

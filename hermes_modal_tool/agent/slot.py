@@ -40,7 +40,8 @@ class SlotRuntime:
             self.root = rootfs.SlotRoot(
                 os.path.join(agent.state_dir, "fs", "slot_%d" % index),
                 os.path.join(agent.state_dir, "mnt", "slot_%d" % index), self.uid, self.gid,
-                agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir])
+                agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir],
+                os.path.join(agent.template_dir, "slot_%d" % index))
             if "HOME" not in agent.config.get("env", {}):
                 self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
             self.start_dir = agent.workdir or self.ws_path
