@@ -130,11 +130,11 @@ async def test_busy_loops_stop_at_the_timeout(backend, two_slots):
 
 
 @pytest.mark.parametrize("filesystem", ["auto", "workspace-only"])
-async def test_default_slot_memory_is_a_fair_share(make_backend, filesystem):
+async def test_default_slot_memory_is_a_fair_share(mode_backend, filesystem):
     """``memory=512`` for two slots and no ``slot_memory``: a slot that fills every
     writable memory-backed place it has cannot take its neighbour's share, and the
     writable places outside those (bwrap's root, ``/dev``) are read-only or capped."""
-    backend = await make_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1,
+    backend = await mode_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1,
                                  filesystem=filesystem)
     pool = backend.get_status()["pools"][backend.default_profile]
     assert pool["caps"]["memory"]["mib"] == 256, pool["caps"]

@@ -125,22 +125,23 @@ def agent_hwm_kib() -> int:
     return best
 
 
-async def test_per_call_buffers_are_bounded(make_backend):
+async def test_per_call_buffers_are_bounded(mode_backend):
     """read_file(limit=1) of 64 MiB of short lines, a forged marker prefix followed by a
     flood, and read_artifact of 40 MB: the agent's peak memory grows by far less than what
     the slot made it handle; each result is capped; the neighbour still answers."""
-    backend = await make_backend(output_limit=5000)
+    backend = await mode_backend(output_limit=5000)
     hog = await backend.acquire("hog")
     other = await backend.acquire("other")
-    r = await bash(backend, hog, "yes | head -c 64M > /tmp/lines; head -c 40M /dev/zero | tr '\\0' a > /tmp/big; echo ok",
+    r = await bash(backend, hog, "yes | head -c 64M > lines; head -c 40M /dev/zero | tr '\\0' a > big; echo ok",
                    timeout=120)
     assert r.output == "ok\n", r.output
     before = agent_hwm_kib()
-    r = await call(backend, hog, "read_file", path="/tmp/lines", limit=1)
+    assert before > 0, "no agent of this test found in /proc"
+    r = await call(backend, hog, "read_file", path="lines", limit=1)
     assert r.success and r.output == "y\n" and r.metadata["total_lines"] == 32 * 1024 * 1024
-    r = await call(backend, hog, "read_file", path="/tmp/lines", offset=1000, limit=3)
+    r = await call(backend, hog, "read_file", path="lines", offset=1000, limit=3)
     assert r.output == "y\ny\ny\n" and r.metadata["first_line"] == 1000
-    art = await backend.read_artifact(hog, "/tmp/big")
+    art = await backend.read_artifact(hog, "big")
     assert art["success"] and len(art["content"]) == 5000 and art["truncated"]
     r = await bash(backend, hog, "printf '\\036%s ' \"$__hmt_n\"; head -c 200M /dev/zero; echo end", timeout=120)
     assert r.metadata["truncated"] and len(r.output) < 6000
