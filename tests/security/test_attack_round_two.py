@@ -46,13 +46,6 @@ def host_add_session_key(description: str, payload: bytes) -> int:
     return serial
 
 
-def ctl_dirs(backend, slot) -> list[Path]:
-    root = Path(backend.get_status()["drivers"]["local"]["state_root"])
-    shm = [p for p in Path("/dev/shm").glob("hermes-modal-tool-*") if (p / slot.sandbox_id).is_dir()]
-    return [p / slot.sandbox_id / f"slot_{slot.index}" for p in shm] or [
-        root / slot.sandbox_id / "ctl" / f"slot_{slot.index}"]
-
-
 @pytest.mark.skipif(SYS_KEYCTL is None, reason="keyctl numbers unknown on this machine")
 async def test_slots_get_their_own_session_keyring(mode_backend):
     """bwrap makes no session keyring: without one of its own, a slot reads (and can
@@ -73,24 +66,39 @@ async def test_slots_get_their_own_session_keyring(mode_backend):
     assert slot_payload not in r.output and host_payload not in r.output, r.output
 
 
-async def test_control_files_are_not_the_slots_to_change_or_others_to_read(backend, two_slots):
+async def test_control_files_are_not_the_slots_to_change_or_others_to_read(mode_backend):
     """The agent's control directory of a slot is root's (the slot cannot write it, so it
     cannot plant a link the agent would follow); its files are readable by that slot's
-    group only, never by other local users."""
-    a, b = two_slots
-    r = await bash(backend, b, "echo marker-b")
-    assert r.output == "marker-b\n"
-    for d in ctl_dirs(backend, b):
-        st = d.stat()
-        assert st.st_uid == os.geteuid() and not st.st_mode & 0o022 and not st.st_mode & 0o007, oct(st.st_mode)
-        for f in d.iterdir():
-            fst = f.lstat()
-            assert stat.S_ISREG(fst.st_mode) and not fst.st_mode & 0o007, (f, oct(fst.st_mode))
-    # From inside: the control directory is read-only and its files cannot be replaced.
-    r = await bash(backend, b, "ls -ld /run/hmt; touch /run/hmt/x 2>&1; "
-                               "ln -sf /etc/passwd /run/hmt/cmd 2>&1; chmod 777 /run/hmt 2>&1; echo done")
-    assert r.output.rstrip().endswith("done") and "marker" not in r.output
+    group only, never by other local users. Checked on the host, in every mode (without
+    bwrap the slot sees the directory at its real path, not read-only-mounted)."""
+    backend = await mode_backend(**{**SMALL, "max_sandboxes": 1})
+    a, b = await backend.acquire("victim"), await backend.acquire("attacker")
+    assert (await bash(backend, a, "echo victim-secret > secret.txt; mkdir d; echo x > d/f")).success
+    assert (await bash(backend, b, "echo marker-b")).output == "marker-b\n"
+    dirs = mode_backend.view.ctl_dirs(backend, b)
+    assert dirs, "the attacker's control directory was not found on the host"
+
+    def look() -> list:
+        out = []
+        for d in dirs:
+            st = d.lstat()
+            assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid(), (d, st)
+            assert not st.st_mode & 0o022 and not st.st_mode & 0o007, oct(st.st_mode)
+            for f in d.iterdir():
+                fst = f.lstat()
+                assert stat.S_ISREG(fst.st_mode) and not fst.st_mode & 0o007, (f, oct(fst.st_mode))
+            out.append((st.st_mode, st.st_uid, st.st_gid, sorted(p.name for p in d.iterdir())))
+        return out
+
+    before = look()
+    ctl = ("/run/hmt" if mode_backend.mode != "modal-nobwrap"
+           else mode_backend.view.in_sandbox(backend, dirs[0]))
+    r = await bash(backend, b, f"ls -ld {ctl}; touch {ctl}/x 2>&1; ln -sf /etc/passwd {ctl}/cmd 2>&1; "
+                               f"ln -s /etc/passwd {ctl}/planted 2>&1; chmod 777 {ctl} 2>&1; echo done")
+    assert r.output.rstrip().endswith("done") and "marker" not in r.output, r.output
+    assert look() == before  # same owner, mode and entries; no file became a link
     assert (await bash(backend, b, "echo still-works")).output == "still-works\n"
+    assert look() == before
     assert await victim_state(backend, a) == ["victim-secret", "d", "secret.txt", "x"]
 
 
