@@ -27,6 +27,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.rootplan", "agent/rootplan.py"),
     ("hermes_modal_tool.agent.mounts", "agent/mounts.py"),
     ("hermes_modal_tool.agent.rootfs", "agent/rootfs.py"),
+    ("hermes_modal_tool.agent.slottmpfs", "agent/slottmpfs.py"),
     ("hermes_modal_tool.agent.trees", "agent/trees.py"),
     ("hermes_modal_tool.agent.files", "agent/files.py"),
     ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),

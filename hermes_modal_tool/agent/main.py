@@ -308,6 +308,12 @@ class Agent(Setup, Calls, DiskWatch):
                     sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
         for pool in self._executors.values():
             pool.shutdown(wait=False)
+        for slot in self.slots.values():
+            try:
+                if getattr(slot, "tmpfs", None) is not None:
+                    slot.tmpfs.release()  # before its mount point's directory is removed
+            except OSError as exc:
+                sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
         if self.config and self.config.get("remove_state", True):
             paths = [path for path in (self.ctl_root, self.host_root if self.config.get("host_root")
                                        else None, self.state_dir) if path]

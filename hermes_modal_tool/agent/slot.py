@@ -64,6 +64,7 @@ class SlotRuntime:
             self.workspace = files.Workspace(
                 self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
                 self.uid, self.gid)
+        self.tmpfs = None  # a slottmpfs.SlotTmpfs when the agent's setup gives it one
         self.ready = False  # directories are made on first use (fast sandbox start)
         self.root_built = False  # the layered root was mounted once (its standby follows)
         self._root_lock = threading.Lock()
@@ -81,6 +82,8 @@ class SlotRuntime:
         if self.ready:
             return
         self.prepare_ctl()
+        if self.tmpfs is not None:
+            self.tmpfs.ensure()  # one mount (slottmpfs.py)
         if self.root is None:
             os.makedirs(self.ws_host, exist_ok=True)
             self.workspace.wipe()
@@ -212,6 +215,8 @@ class SlotRuntime:
                 # No PID namespace: a process may have left the shell's session (setsid).
                 await self.agent.loop.run_in_executor(
                     self.agent.executor("files"), isolation.purge_uid, self.uid, SHARED_TMP)
+            if self.tmpfs is not None:  # the slot's processes are gone: a fresh tmpfs
+                await self.agent.loop.run_in_executor(self.agent.executor("files"), self.tmpfs.renew)
             self.close_ctl()
             for name in os.listdir(self.ctl_host):
                 try:
