@@ -30,6 +30,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.slottmpfs", "agent/slottmpfs.py"),
     ("hermes_modal_tool.agent.trees", "agent/trees.py"),
     ("hermes_modal_tool.agent.files", "agent/files.py"),
+    ("hermes_modal_tool.agent.wipes", "agent/wipes.py"),
     ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),
     ("hermes_modal_tool.agent.admission", "agent/admission.py"),
     ("hermes_modal_tool.agent.output", "agent/output.py"),

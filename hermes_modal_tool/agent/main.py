@@ -297,9 +297,10 @@ class Agent(Setup, Calls, DiskWatch):
                 if self.cgroups.remove_all():
                     break
                 await asyncio.sleep(0.05)
-        if "layers" in self._executors:  # let a layer being built finish before unmounting
-            await self.loop.run_in_executor(
-                None, functools.partial(self._executors["layers"].shutdown, True))
+        for name in ("layers", "trash"):  # a layer being built, a tree being deleted
+            if name in self._executors:
+                await self.loop.run_in_executor(
+                    None, functools.partial(self._executors[name].shutdown, True))
         for slot in self.slots.values():
             if slot.root is not None:
                 try:

@@ -9,7 +9,7 @@ import os
 import resource
 import threading
 
-from . import files, isolation, mounts, rootfs, snapshots
+from . import files, isolation, mounts, rootfs, snapshots, wipes
 from .shell import Shell
 
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
@@ -207,7 +207,8 @@ class SlotRuntime:
         # must go too (its mount namespace holds the old one).
         drop = self.root is not None and (self.dirty or shell.used)
         self.dirty = False
-        if drop or shell.used or not (shell.alive or shell.starting):
+        stopped = drop or shell.used or not (shell.alive or shell.starting)
+        if stopped:
             await shell.stop()
             if self.agent.cgroups:
                 self.agent.cgroups.kill_slot(self.index)
@@ -227,8 +228,9 @@ class SlotRuntime:
         shell.resume_dir = None
         self.replay = self.replay_text = None
         if self.root is None:
-            # Off the loop: a slot can make its workspace large (linear, iterative).
-            await self.agent.loop.run_in_executor(self.agent.executor("files"), self.workspace.wipe)
+            # Off the loop: a slot can make its workspace large (linear, iterative); with
+            # nothing of it running, swapped out in O(1) and deleted in the background.
+            await wipes.reset_workspace(self.agent, self.workspace, stopped)
             return
         # Swap to the standby layer (pointers only, whatever the slot wrote); the dropped one
         # is unmounted, renamed and deleted in the background, where the next standby is

@@ -17,17 +17,19 @@ def chattr(flag: str, path) -> None:
 
 
 async def test_failed_reset_quarantines_the_slot_not_its_sandbox(mode_backend):
-    """A reset that cannot empty a slot (a file of its workspace made immutable from the
-    host, where the sandbox's files are: no slot can do that) takes that slot out of
-    service and retries it; its neighbour keeps running, nobody is handed the unwiped
-    workspace, and the slot comes back once a retry succeeds."""
+    """A reset that cannot empty a slot (its workspace directory made immutable from the
+    host, where the sandbox's files are: no slot can do that; it can be neither moved
+    away nor emptied) takes that slot out of service and retries it; its neighbour keeps
+    running, nobody is handed the unwiped workspace, and the slot comes back once a
+    retry succeeds."""
     backend = await mode_backend(**{**SMALL, "max_sandboxes": 1, "acquire_timeout_s": 1.0},
                                  filesystem="workspace-only")
     victim, neighbour = await backend.acquire("victim"), await backend.acquire("neighbour")
     assert (await bash(backend, victim, "echo secret > stuck.txt")).success
-    stuck = mode_backend.view.workspace(backend, victim) / "stuck.txt"
+    workspace = mode_backend.view.workspace(backend, victim)
+    stuck = workspace / "stuck.txt"
     assert (await asyncio.to_thread(stuck.read_text)) == "secret\n"
-    await asyncio.to_thread(chattr, "+i", stuck)
+    await asyncio.to_thread(chattr, "+i", workspace)
     try:
         long = asyncio.ensure_future(bash(backend, neighbour, "sleep 1; echo still-here"))
         await backend.release(victim, reset_workspace=True)
@@ -40,7 +42,7 @@ async def test_failed_reset_quarantines_the_slot_not_its_sandbox(mode_backend):
             await backend.acquire("next")
         assert (await bash(backend, neighbour, "echo fine")).output == "fine\n"
     finally:
-        await asyncio.to_thread(chattr, "-i", stuck)
+        await asyncio.to_thread(chattr, "-i", workspace)
     assert await settle(lambda: not backend.get_status()["quarantined_slots"], timeout=20)
     fresh = await backend.acquire("after")
     assert fresh.slot_id == victim.slot_id
