@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from support import SMALL, agent_processes, bash, processes
+from support import SMALL, agent_processes, bash, layered, processes
 
 from .helpers import call, none_alive, victim_state
 
@@ -229,14 +229,16 @@ async def test_nothing_a_tenant_started_outlives_its_release(mode_backend):
     assert lines[2] == "end", r.output
 
 
-async def test_disk_measurement_never_follows_a_link_the_slot_swaps_in(make_backend):
+async def test_disk_measurement_never_follows_a_link_the_slot_swaps_in(mode_backend):
     """The agent measures a slot's layer while its command runs (``slot_disk``), with
     directory descriptors that never follow a link (``trees.walk_tree``). A slot that
     keeps swapping a directory of its layer for a symlink to ``/`` gets no false stop.
     (A path-based walk could be steered into the host's tree only in a narrow window
     between listing a directory and entering it, so this cannot force the old flaw; it
     checks that the walk holds up while the layer changes under it.)"""
-    backend = await make_backend(slot_disk=64)
+    backend = await mode_backend(**SMALL, slot_disk=64)
+    disk = backend.get_status()["pools"][backend.default_profile]["caps"]["disk"]
+    assert disk["enforced"] == ("watched" if layered(backend) else "none"), disk  # no layer: no watch
     slot = await backend.acquire("swapper")
     swap = ("mkdir -p d/e/f; end=$((SECONDS + 4)); while [ $SECONDS -lt $end ]; do "
             "mv d d.real; ln -s / d; rm d; mv d.real d; done; du -sm d | cut -f1")
