@@ -39,7 +39,8 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
                  "enforced": "none: slots without bubblewrap share the sandbox's /tmp, /var/tmp "
                              "and /dev/shm (no mount of their own); a release removes what the "
                              "slot's uid left there" + (", and its pages are charged to the "
-                                                        "slot's memory cgroup" if cgroup else "")}
+                                                        "slot's memory cgroup" if cgroup else "")
+                             + "; with slot_disk set, what it owns there counts against it"}
     elif filesystem == "overlay":
         tmpfs = {"mib": tmpfs_mb, "places": ["/dev/shm"],
                  "note": "/tmp, /run, /root, /home and the rest are in the slot's layer, on disk"}
@@ -65,6 +66,11 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
         disk = {"mib": slot_disk_mb, "enforced": "watched",
                 "note": "measured every %gs while a command runs and when it ends; the "
                         "command is stopped past the limit" % DISK_WATCH_S}
+    elif isolation != "bwrap":
+        disk = {"mib": slot_disk_mb, "enforced": "watched",
+                "note": "its workspace plus what the slot's uid owns in /tmp, /var/tmp and "
+                        "/dev/shm, measured every %gs while a command runs and when it ends; "
+                        "the command is stopped past the limit" % DISK_WATCH_S}
     else:
         disk = {"mib": slot_disk_mb, "enforced": "none",
                 "note": "no layered root: the limit is not applied"}

@@ -9,7 +9,7 @@ import os
 import resource
 import threading
 
-from . import files, isolation, mounts, rootfs, snapshots, wipes
+from . import diskwatch, files, isolation, mounts, rootfs, snapshots, wipes
 from .shell import Shell
 
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
@@ -47,6 +47,8 @@ class SlotRuntime:
             if agent.slot_disk_mb:
                 # No file may outgrow the disk limit (the watcher catches many small ones).
                 self.rlimits = [(resource.RLIMIT_FSIZE, int(agent.slot_disk_mb) * 1024 * 1024)]
+        elif diskwatch.watched(agent, self):  # no bwrap: its uid's files (diskwatch.py)
+            self.rlimits = [(resource.RLIMIT_FSIZE, int(agent.slot_disk_mb) * 1024 * 1024)]
         self.ctl_fds = {}
         self.queue = collections.deque()  # call messages waiting for this slot
         self.current = None  # id of the call running now

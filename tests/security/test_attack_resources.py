@@ -55,23 +55,31 @@ async def test_memory_bomb_hits_the_slot_memory_limit(make_backend):
     assert (await bash(backend, other, "echo ok")).output == "ok\n"
 
 
-async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(make_backend):
+async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(mode_backend):
     """Every writable place is capped: memory-backed ones (``/dev/shm``, and ``/tmp`` ...
     without a layered root) by their size, the layered root's disk-backed ones by
-    ``slot_disk`` (no file may grow past it)."""
-    backend = await make_backend(slot_memory=256, slot_disk=128)
+    ``slot_disk`` (no file may grow past it). Without bwrap (the sandbox's shared ``/tmp``,
+    ``/var/tmp`` and ``/dev/shm``) no file outgrows ``slot_disk`` and the watcher stops
+    a command whose files there and in its workspace add up past it."""
+    backend = await mode_backend(slot_memory=256, slot_disk=128, slots_per_sandbox=2, max_sandboxes=1)
     slot = await backend.acquire("filler")
     other = await backend.acquire("other")
     host_free = shutil.disk_usage("/tmp").free
-    for path in ("/tmp", "/var/tmp", "/dev/shm", "/run"):
+    nobwrap = mode_backend.mode == "modal-nobwrap"
+    for path in ("/tmp", "/var/tmp", "/dev/shm") + (() if nobwrap else ("/run",)):
         r = await bash(backend, slot, f"head -c 1G /dev/zero > {path}/fill; echo rc=$?; "
                                       f"du -sm {path}/fill | cut -f1; rm -f {path}/fill", timeout=20)
-        on_disk = layered(backend)  # the file size limit (slot_disk) comes first
-        if on_disk:
+        if layered(backend) or nobwrap:  # the file size limit (slot_disk) comes first
             assert "File size limit exceeded" in r.output, (path, r.output, r.error)
         else:
             assert "No space left on device" in r.output and "rc=1" in r.output, (path, r.output)
         assert int(r.output.split()[-1]) <= 128, r.output
+    if nobwrap:  # 3 x 60 MiB, each file under the limit, together past it
+        r = await bash(backend, slot, "for d in /tmp /var/tmp /dev/shm; do head -c 60M /dev/zero > $d/part-$$; "
+                                      "done; sleep 3; echo never", timeout=20)
+        assert "disk" in r.metadata.get("limits_hit", []) and "slot_disk" in r.error, (r.output, r.error)
+        assert "never" not in r.output
+        assert (await bash(backend, slot, "rm -f /tmp/part-* /var/tmp/part-* /dev/shm/part-*; echo ok")).output == "ok\n"
     assert abs(shutil.disk_usage("/tmp").free - host_free) < 512 * 1024 * 1024
     assert (await bash(backend, slot, "echo alive")).output == "alive\n"
     assert (await bash(backend, other, "echo ok")).output == "ok\n"
