@@ -14,7 +14,7 @@ import heapq
 import time
 
 from .. import protocol
-from . import files, filetools
+from . import diskwatch, files, filetools
 
 #: Seconds a call may wait to start (behind its slot's running call, for admission or
 #: for its shell) before the host is told it is queued and stops its deadline until the
@@ -125,7 +125,7 @@ class Calls:
                 self.own(self._background(slot, command, env, done))
         else:
             cmd_path = slot.write_ctl("cmd", command.encode("utf-8", "surrogatepass") + b"\n")
-            watched = slot.root is not None and self.slot_disk_mb
+            watched = diskwatch.watched(self, slot)
             if watched:
                 done = self._disk_checked(slot, done)
 

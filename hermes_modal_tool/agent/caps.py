@@ -14,32 +14,63 @@ def tmpfs_mb_for(limits):
     return max(16, int(mem) // 2) if mem else None
 
 
-def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb):
+def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolation="bwrap",
+                shared_tmpfs=False, contained=False, tmpfs_note=""):
     """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ...}``, each with the cap (MiB
-    or a count) and ``enforced``: how, or ``"none"`` with the reason."""
+    or a count) and ``enforced``: how, or ``"none"`` with the reason.
+
+    Args:
+        limits: the profile's limits (``slot_memory_mb``, ``memory_mb``, ``pids``).
+        limit_mode: ``"cgroup-v2"``, ``"cgroup-v1"`` or ``"rlimit"``.
+        filesystem: ``"overlay"`` or ``"workspace-only"``.
+        tmpfs_mb, slot_disk_mb: the caps (MiB) or None.
+        isolation: ``"bwrap"`` or ``"none"`` (slots are plain processes of their own uid).
+        shared_tmpfs: every memory-backed place of a slot is one capped tmpfs (:mod:`.slottmpfs`).
+        contained: a layered root's slot cannot mount (no ``CAP_SYS_ADMIN``, no user namespaces).
+        tmpfs_note: why ``shared_tmpfs`` could not be had, if it was wanted.
+    """
     cgroup = limit_mode.startswith("cgroup")
     mem = limits.get("slot_memory_mb")
     memory = {"mib": mem, "sandbox_mib": limits.get("memory_mb"),
               "enforced": ("cgroup memory.max per slot and per sandbox" if cgroup else
                            "RLIMIT_AS per process (address space, not a slot total)")}
-    if filesystem == "overlay":
-        # Root in its own user namespace may mount a tmpfs of any size: only the memory
-        # cgroup, which charges tmpfs pages to the slot that wrote them, bounds it.
+    if isolation != "bwrap":
+        tmpfs = {"mib": None, "places": [],
+                 "enforced": "none: slots without bubblewrap share the sandbox's /tmp, /var/tmp "
+                             "and /dev/shm (no mount of their own); a release removes what the "
+                             "slot's uid left there" + (", and its pages are charged to the "
+                                                        "slot's memory cgroup" if cgroup else "")
+                             + "; with slot_disk set, what it owns there counts against it"}
+    elif filesystem == "overlay":
         tmpfs = {"mib": tmpfs_mb, "places": ["/dev/shm"],
-                 "enforced": ("size cap, and pages charged to the slot's memory cgroup" if cgroup
-                              else "none: root in the slot may mount an uncapped tmpfs and "
-                                   "rlimits do not count tmpfs pages (no cgroups here)"),
                  "note": "/tmp, /run, /root, /home and the rest are in the slot's layer, on disk"}
+        if cgroup:
+            tmpfs["enforced"] = "size cap, and pages charged to the slot's memory cgroup"
+        elif contained:
+            tmpfs["enforced"] = ("size cap (the slot total: /dev is read-only and the slot, "
+                                 "without CAP_SYS_ADMIN or user namespaces, cannot mount)")
+        else:
+            tmpfs["enforced"] = ("none: root in the slot may mount an uncapped tmpfs and "
+                                 "rlimits do not count tmpfs pages (no cgroups here)")
+    elif shared_tmpfs:
+        tmpfs = {"mib": tmpfs_mb, "places": list(WRITABLE_TMPFS),
+                 "enforced": "one size-capped tmpfs per slot holds every place (the slot total)"}
     else:
         tmpfs = {"mib": tmpfs_mb, "places": list(WRITABLE_TMPFS),
-                 "enforced": "size cap per mount" + (", pages charged to the slot's memory cgroup"
-                                                     if cgroup else "")}
+                 "enforced": "size cap per mount" + (
+                     ", pages charged to the slot's memory cgroup" if cgroup else
+                     " (each place, not a slot total: %s)" % (tmpfs_note or "no cgroups"))}
     if not slot_disk_mb:
         disk = {"mib": None, "enforced": "none", "note": "set slot_disk to cap what a slot writes"}
     elif filesystem == "overlay":
         disk = {"mib": slot_disk_mb, "enforced": "watched",
                 "note": "measured every %gs while a command runs and when it ends; the "
                         "command is stopped past the limit" % DISK_WATCH_S}
+    elif isolation != "bwrap":
+        disk = {"mib": slot_disk_mb, "enforced": "watched",
+                "note": "its workspace plus what the slot's uid owns in /tmp, /var/tmp and "
+                        "/dev/shm, measured every %gs while a command runs and when it ends; "
+                        "the command is stopped past the limit" % DISK_WATCH_S}
     else:
         disk = {"mib": slot_disk_mb, "enforced": "none",
                 "note": "no layered root: the limit is not applied"}

@@ -3,10 +3,62 @@
 Stdlib-only, Python 3.8. While a bash command runs in a slot with a layered root, its
 writable layer is measured every :data:`DISK_WATCH_S` in one worker thread (never on the
 event loop) and the command is stopped past the limit; once more when it ends, before its
-result goes out. A file size rlimit (see :mod:`.slot`) stops any single file at the limit.
+result goes out. A slot without bubblewrap (its own uid, no mount namespace) is measured
+as its workspace plus what its uid owns in the sandbox's shared ``/tmp``, ``/var/tmp``
+and ``/dev/shm`` (:func:`uid_usage_bytes`). A file size rlimit (see :mod:`.slot`) stops
+any single file at the limit.
 """
 
 import asyncio
+import os
+import stat
+
+from .trees import walk_tree
+
+#: Where a slot without bubblewrap can write besides its workspace (shared by all slots).
+SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def watched(agent, slot):
+    """Is ``slot``'s disk use watched against ``slot_disk``?"""
+    return bool(agent.slot_disk_mb) and (
+        slot.root is not None or (agent.isolation != "bwrap" and slot.uid is not None))
+
+
+def usage_fn(slot):
+    """A blocking ``() -> bytes`` measuring what ``slot`` wrote (see the module doc)."""
+    if slot.root is not None:
+        return slot.root.usage_bytes
+    return lambda: uid_usage_bytes(slot.uid, slot.ws_host, SHARED_PLACES)
+
+
+def uid_usage_bytes(uid, workspace, shared):
+    """Bytes (blocks) of everything in ``workspace`` plus what ``uid`` owns under each of
+    ``shared``; each inode counted once. Walked with directory descriptors that never
+    follow a link or cross a mount (``trees.walk_tree``); a tree changed meanwhile ends
+    its walk early (what was counted is returned)."""
+    seen = set()
+    total = [0]
+
+    def counter(mine_only):
+        def visit(fd, name, st):
+            if (not mine_only or st.st_uid == uid) and (st.st_dev, st.st_ino) not in seen:
+                if st.st_nlink > 1:
+                    seen.add((st.st_dev, st.st_ino))
+                total[0] += st.st_blocks * 512
+            return stat.S_ISDIR(st.st_mode)
+        return visit
+
+    for top, mine_only in [(workspace, False)] + [(p, True) for p in shared]:
+        try:
+            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            walk_tree(fd, counter(mine_only))
+        except OSError:
+            pass
+    return total[0]
 
 #: How often a running command's slot is measured against its ``slot_disk`` limit (s).
 DISK_WATCH_S = 0.5
@@ -30,7 +82,7 @@ class DiskWatch:
             await asyncio.sleep(DISK_WATCH_S)
             if collector.ended is not None or slot.shell.collector is not collector:
                 return
-            used = await self.loop.run_in_executor(self.executor("disk"), slot.root.usage_bytes)
+            used = await self.loop.run_in_executor(self.executor("disk"), usage_fn(slot))
             if self._disk_over(used) and slot.shell.collector is collector:
                 slot.shell.cancel(self._disk_message(used))
                 return
@@ -58,6 +110,6 @@ class DiskWatch:
             if self.closing:
                 done(result)
                 return
-            fut = self.loop.run_in_executor(self.executor("disk"), slot.root.usage_bytes)
+            fut = self.loop.run_in_executor(self.executor("disk"), usage_fn(slot))
             fut.add_done_callback(measured)
         return finish

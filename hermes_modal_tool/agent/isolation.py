@@ -34,7 +34,7 @@ CTL_PATH = "/run/hmt"  # short: bash reads the per-command line one byte at a ti
 
 
 def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_fd,
-               tmpfs_mb=None):
+               tmpfs_mb=None, shared_tmpfs=None):
     """Return the bwrap argv prefix that starts one slot's sandboxed process.
 
     Args:
@@ -49,6 +49,9 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
         tmpfs_mb: size cap of each writable tmpfs (:data:`WRITABLE_TMPFS`); their pages
             also count toward the slot's memory cgroup. Everything else outside the
             workspace is read-only.
+        shared_tmpfs: None, or ``place(target) -> host dir``: the directory of the slot's
+            one capped tmpfs (:mod:`.slottmpfs`) bound at each writable place instead of
+            a tmpfs per place (their total is then the cap, without cgroups).
     """
     size = ["--size", str(int(tmpfs_mb) * 1024 * 1024)] if tmpfs_mb else []
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -68,7 +71,8 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
     argv += ["--proc", "/proc", "--dev", "/dev"]
     for path in WRITABLE_TMPFS:  # each capped; their pages count toward the memory cgroup
         if path != "/var/tmp" or os.path.isdir(path):
-            argv += size + ["--tmpfs", path]
+            argv += (["--bind", shared_tmpfs(path), path] if shared_tmpfs
+                     else size + ["--tmpfs", path])
     for path in hide:
         if path and path != "/" and _under_bound(path):
             argv += ["--tmpfs", path, "--remount-ro", path]
@@ -81,23 +85,31 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
 
 
 def bwrap_root_argv(bwrap, root_host, ctl_host, network, hostname, info_fd, chdir,
-                    shm_mb=None):
+                    shm_mb=None, contain=False):
     """Return the bwrap argv prefix for a slot with a layered root of its own.
 
     The slot is root (uid 0, all capabilities) in its own user namespace, which maps
     that one uid to the slot's unprivileged uid outside; ``root_host`` (the slot's
     overlay, see :mod:`.rootfs`) is its ``/``, with its own ``/proc``, a minimal ``/dev``,
     a size-capped ``/dev/shm`` and the control directory read-only at ``CTL_PATH``.
+
+    ``contain`` (without cgroups, where nothing else bounds a tmpfs): the slot gets every
+    capability but ``CAP_SYS_ADMIN`` and cannot make a user namespace, so it can mount
+    nothing (no tmpfs past its cap) nor make ``/dev`` (read-only) writable again.
     """
     size = ["--size", str(int(shm_mb) * 1024 * 1024)] if shm_mb else []
     argv = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL",
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
             "--hostname", hostname]
+    if contain:
+        argv += ["--cap-drop", "CAP_SYS_ADMIN", "--disable-userns"]
     if not network:
         argv.append("--unshare-net")
     argv += ["--bind", root_host, "/", "--proc", "/proc", "--dev", "/dev"] + size + [
         "--tmpfs", "/dev/shm", "--ro-bind", ctl_host, CTL_PATH, "--chdir", chdir]
+    if contain:
+        argv += ["--remount-ro", "/dev"]
     return argv
 
 

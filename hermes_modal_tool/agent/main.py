@@ -298,9 +298,10 @@ class Agent(Setup, Calls, DiskWatch):
                 if self.cgroups.remove_all():
                     break
                 await asyncio.sleep(0.05)
-        if "layers" in self._executors:  # let a layer being built finish before unmounting
-            await self.loop.run_in_executor(
-                None, functools.partial(self._executors["layers"].shutdown, True))
+        for name in ("layers", "trash"):  # a layer being built, a tree being deleted
+            if name in self._executors:
+                await self.loop.run_in_executor(
+                    None, functools.partial(self._executors[name].shutdown, True))
         for slot in self.slots.values():
             if slot.root is not None:
                 try:
@@ -314,6 +315,12 @@ class Agent(Setup, Calls, DiskWatch):
                 sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
         for pool in self._executors.values():
             pool.shutdown(wait=False)
+        for slot in self.slots.values():
+            try:
+                if getattr(slot, "tmpfs", None) is not None:
+                    slot.tmpfs.release()  # before its mount point's directory is removed
+            except OSError as exc:
+                sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
         if self.config and self.config.get("remove_state", True):
             paths = [path for path in (self.ctl_root, self.host_root if self.config.get("host_root")
                                        else None, self.state_dir) if path]

@@ -8,7 +8,7 @@ import resource
 import sys
 
 from .. import protocol
-from . import caps, cgroups, isolation, rootfs, rootplan
+from . import caps, cgroups, isolation, rootfs, rootplan, slottmpfs
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
 
@@ -76,14 +76,19 @@ class Setup:
         self.rlimits = [] if self.cgroups else isolation.rlimits_for(limits, self.uid_base is not None)
         if not self.cgroups:
             limit_mode = "rlimit"
+        tmpfs_root, tmpfs_note = slottmpfs.plan(self, limit_mode)
         for i in range(int(cfg["slots"])):
             self.slots[i] = SlotRuntime(self, i)
+            self.slots[i].tmpfs = (slottmpfs.SlotTmpfs(tmpfs_root, i, self.tmpfs_mb)
+                                   if tmpfs_root else None)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             pass
-        slot_caps = caps.caps_report(limits, limit_mode, self.filesystem, self.tmpfs_mb, self.slot_disk_mb)
+        slot_caps = caps.caps_report(limits, limit_mode, self.filesystem, self.tmpfs_mb,
+                                     self.slot_disk_mb, self.isolation, bool(tmpfs_root),
+                                     self.contain_root, tmpfs_note)
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "python": "%d.%d.%d" % sys.version_info[:3],

@@ -150,14 +150,16 @@ class Shell(ShellProcesses):
                 pass_fds = (info_w,)
                 argv = isolation.bwrap_root_argv(
                     agent.bwrap, slot.root.merged, slot.ctl_host, agent.network,
-                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb) + binds + bash
+                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb,
+                    agent.contain_root) + binds + bash
                 cwd = "/"
             elif agent.isolation == "bwrap":
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
                 argv = isolation.bwrap_argv(
                     agent.bwrap, slot.ws_host, slot.ws_path, slot.ctl_host, agent.network,
-                    agent.hide, "slot-%d" % slot.index, info_w, agent.tmpfs_mb) + bash
+                    agent.hide, "slot-%d" % slot.index, info_w, agent.tmpfs_mb,
+                    slot.tmpfs.place if slot.tmpfs else None) + bash
                 cwd = "/"
             else:
                 argv = bash

@@ -9,7 +9,7 @@ import os
 import resource
 import threading
 
-from . import files, isolation, mounts, rootfs, snapshots
+from . import diskwatch, files, isolation, mounts, rootfs, snapshots, wipes
 from .shell import Shell
 
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
@@ -48,6 +48,8 @@ class SlotRuntime:
             if agent.slot_disk_mb:
                 # No file may outgrow the disk limit (the watcher catches many small ones).
                 self.rlimits = [(resource.RLIMIT_FSIZE, int(agent.slot_disk_mb) * 1024 * 1024)]
+        elif diskwatch.watched(agent, self):  # no bwrap: its uid's files (diskwatch.py)
+            self.rlimits = [(resource.RLIMIT_FSIZE, int(agent.slot_disk_mb) * 1024 * 1024)]
         self.ctl_fds = {}
         self.queue = collections.deque()  # call messages waiting for this slot
         self.current = None  # id of the call running now
@@ -65,6 +67,7 @@ class SlotRuntime:
             self.workspace = files.Workspace(
                 self.ws_host, self.ws_path if agent.isolation == "bwrap" else self.ws_host,
                 self.uid, self.gid)
+        self.tmpfs = None  # a slottmpfs.SlotTmpfs when the agent's setup gives it one
         self.ready = False  # directories are made on first use (fast sandbox start)
         self.root_built = False  # the layered root was mounted once (its standby follows)
         self._root_lock = threading.Lock()
@@ -82,6 +85,8 @@ class SlotRuntime:
         if self.ready:
             return
         self.prepare_ctl()
+        if self.tmpfs is not None:
+            self.tmpfs.ensure()  # one mount (slottmpfs.py)
         if self.root is None:
             os.makedirs(self.ws_host, exist_ok=True)
             self.workspace.wipe()
@@ -205,7 +210,8 @@ class SlotRuntime:
         # must go too (its mount namespace holds the old one).
         drop = self.root is not None and (self.dirty or shell.used)
         self.dirty = False
-        if drop or shell.used or not (shell.alive or shell.starting):
+        stopped = drop or shell.used or not (shell.alive or shell.starting)
+        if stopped:
             await shell.stop()
             if self.agent.cgroups:
                 self.agent.cgroups.kill_slot(self.index)
@@ -213,6 +219,8 @@ class SlotRuntime:
                 # No PID namespace: a process may have left the shell's session (setsid).
                 await self.agent.loop.run_in_executor(
                     self.agent.executor("files"), isolation.purge_uid, self.uid, SHARED_TMP)
+            if self.tmpfs is not None:  # the slot's processes are gone: a fresh tmpfs
+                await self.agent.loop.run_in_executor(self.agent.executor("files"), self.tmpfs.renew)
             self.close_ctl()
             for name in os.listdir(self.ctl_host):
                 try:
@@ -223,8 +231,9 @@ class SlotRuntime:
         shell.resume_dir = None
         self.replay = self.replay_text = None
         if self.root is None:
-            # Off the loop: a slot can make its workspace large (linear, iterative).
-            await self.agent.loop.run_in_executor(self.agent.executor("files"), self.workspace.wipe)
+            # Off the loop: a slot can make its workspace large (linear, iterative); with
+            # nothing of it running, swapped out in O(1) and deleted in the background.
+            await wipes.reset_workspace(self.agent, self.workspace, stopped)
             return
         # Swap to the standby layer (pointers only, whatever the slot wrote); the dropped one
         # is unmounted, renamed and deleted in the background, where the next standby is

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from support import bash
 
+from .helpers import SandboxView
+
 
 @pytest.fixture
 async def two_slots(backend):
@@ -29,9 +31,9 @@ MODES = {"local": {}, "modal": {"driver": "modal"},
 @pytest.fixture(params=list(MODES))
 async def mode_backend(request, make_backend):
     """A backend factory for each mode of :data:`MODES`; ``stop()`` leaves no Modal
-    sandbox running."""
-    if request.param != "local":
-        request.getfixturevalue("modal_server")
+    sandbox running. ``mode_backend.mode`` names the mode and ``mode_backend.view`` is a
+    :class:`helpers.SandboxView` (where a sandbox's paths are on this host)."""
+    server = request.getfixturevalue("modal_server") if request.param != "local" else None
     made = []
 
     async def build(**fields):
@@ -41,6 +43,8 @@ async def mode_backend(request, make_backend):
         assert isolation == ("none" if request.param == "modal-nobwrap" else "bwrap"), isolation
         return backend
 
+    build.mode = request.param
+    build.view = SandboxView(server)
     yield build
     for backend in made:
         make_backend.note(backend)

@@ -15,6 +15,57 @@ async def call(backend, slot, tool, **args) -> ExecutionResult:
     return result
 
 
+class SandboxView:
+    """Where a path of a sandbox is on this host: the same path for the local driver;
+    for the local Modal control plane (``server``), its place in the one running
+    sandbox's writable directories (tests that use this run one sandbox)."""
+
+    def __init__(self, server=None) -> None:
+        self.server = server
+
+    def _state_dir(self, backend) -> Path:
+        from conftest import running_sandboxes
+
+        [rec] = running_sandboxes(self.server, backend.default_profile)
+        return Path(rec.state_dir)
+
+    def host_path(self, backend, path: str) -> Path:
+        """``path`` (absolute, as the agent sees it) on this host."""
+        if self.server is None:
+            return Path(path)
+        from hermes_modal_tool.testing.modal_server._common import WRITABLE_DIRS
+
+        top = max((t for t in WRITABLE_DIRS if path == t or path.startswith(t + "/")), key=len)
+        return self._state_dir(backend) / "fs" / WRITABLE_DIRS[top][0] / path[len(top):].lstrip("/")
+
+    def workspace(self, backend, slot) -> Path:
+        """A workspace-only slot's workspace on this host."""
+        if self.server is None:
+            return host_workspace(backend, slot)
+        return self.host_path(backend, slot.workspace_dir)
+
+    def ctl_dirs(self, backend, slot) -> list[Path]:
+        """The agent's control directory of ``slot`` on this host."""
+        if self.server is None:
+            root = Path(backend.get_status()["drivers"]["local"]["state_root"])
+            shm = [p for p in Path("/dev/shm").glob("hermes-modal-tool-*")
+                   if (p / slot.sandbox_id).is_dir()]
+            return [p / slot.sandbox_id / f"slot_{slot.index}" for p in shm] or [
+                root / slot.sandbox_id / "ctl" / f"slot_{slot.index}"]
+        fs = self._state_dir(backend) / "fs"
+        return sorted(fs.glob(f"tmp/.hermes-modal-tool/*/ctl/slot_{slot.index}"))
+
+    def in_sandbox(self, backend, host: Path) -> str:
+        """The inverse of :meth:`host_path`."""
+        if self.server is None:
+            return str(host)
+        from hermes_modal_tool.testing.modal_server._common import WRITABLE_DIRS
+
+        rel = host.relative_to(self._state_dir(backend) / "fs")
+        top = next(t for t, (sub, _) in WRITABLE_DIRS.items() if sub == rel.parts[0])
+        return os.path.join(top, *rel.parts[1:])
+
+
 def host_workspace(backend, slot) -> Path:
     """Where ``slot``'s workspace lives on the host (the local driver's layout)."""
     root = Path(backend.get_status()["drivers"]["local"]["state_root"]) / slot.sandbox_id

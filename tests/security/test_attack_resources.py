@@ -55,23 +55,31 @@ async def test_memory_bomb_hits_the_slot_memory_limit(make_backend):
     assert (await bash(backend, other, "echo ok")).output == "ok\n"
 
 
-async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(make_backend):
+async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(mode_backend):
     """Every writable place is capped: memory-backed ones (``/dev/shm``, and ``/tmp`` ...
     without a layered root) by their size, the layered root's disk-backed ones by
-    ``slot_disk`` (no file may grow past it)."""
-    backend = await make_backend(slot_memory=256, slot_disk=128)
+    ``slot_disk`` (no file may grow past it). Without bwrap (the sandbox's shared ``/tmp``,
+    ``/var/tmp`` and ``/dev/shm``) no file outgrows ``slot_disk`` and the watcher stops
+    a command whose files there and in its workspace add up past it."""
+    backend = await mode_backend(slot_memory=256, slot_disk=128, slots_per_sandbox=2, max_sandboxes=1)
     slot = await backend.acquire("filler")
     other = await backend.acquire("other")
     host_free = shutil.disk_usage("/tmp").free
-    for path in ("/tmp", "/var/tmp", "/dev/shm", "/run"):
+    nobwrap = mode_backend.mode == "modal-nobwrap"
+    for path in ("/tmp", "/var/tmp", "/dev/shm") + (() if nobwrap else ("/run",)):
         r = await bash(backend, slot, f"head -c 1G /dev/zero > {path}/fill; echo rc=$?; "
                                       f"du -sm {path}/fill | cut -f1; rm -f {path}/fill", timeout=20)
-        on_disk = layered(backend)  # the file size limit (slot_disk) comes first
-        if on_disk:
+        if layered(backend) or nobwrap:  # the file size limit (slot_disk) comes first
             assert "File size limit exceeded" in r.output, (path, r.output, r.error)
         else:
             assert "No space left on device" in r.output and "rc=1" in r.output, (path, r.output)
         assert int(r.output.split()[-1]) <= 128, r.output
+    if nobwrap:  # 3 x 60 MiB, each file under the limit, together past it
+        r = await bash(backend, slot, "for d in /tmp /var/tmp /dev/shm; do head -c 60M /dev/zero > $d/part-$$; "
+                                      "done; sleep 3; echo never", timeout=20)
+        assert "disk" in r.metadata.get("limits_hit", []) and "slot_disk" in r.error, (r.output, r.error)
+        assert "never" not in r.output
+        assert (await bash(backend, slot, "rm -f /tmp/part-* /var/tmp/part-* /dev/shm/part-*; echo ok")).output == "ok\n"
     assert abs(shutil.disk_usage("/tmp").free - host_free) < 512 * 1024 * 1024
     assert (await bash(backend, slot, "echo alive")).output == "alive\n"
     assert (await bash(backend, other, "echo ok")).output == "ok\n"
@@ -129,22 +137,49 @@ async def test_busy_loops_stop_at_the_timeout(backend, two_slots):
     assert (await bash(backend, b, "echo responsive")).output.endswith("responsive\n")
 
 
+#: Every tmpfs a slot sees (its memory-backed places), each counted once and only its
+#: own part (``du -x``); a bind of one directory of a tmpfs counts that directory only.
+TMPFS_USED = ("du -smxc $(awk '{for (i = 7; i <= NF; i++) if ($i == \"-\") {if ($(i + 1) == "
+              "\"tmpfs\") print $5; break}}' /proc/self/mountinfo | sort -u) 2>/dev/null | tail -1")
+
+
 @pytest.mark.parametrize("filesystem", ["auto", "workspace-only"])
-async def test_default_slot_memory_is_a_fair_share(make_backend, filesystem):
+async def test_default_slot_memory_is_a_fair_share(mode_backend, filesystem):
     """``memory=512`` for two slots and no ``slot_memory``: a slot that fills every
-    writable memory-backed place it has cannot take its neighbour's share, and the
-    writable places outside those (bwrap's root, ``/dev``) are read-only or capped."""
-    backend = await make_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1,
+    writable place it has (and tries to mount a tmpfs of its own) holds at most its
+    share in memory-backed places (measured in the slot, over every tmpfs it sees), so
+    its neighbour's allocation succeeds; status says how that is enforced. Without
+    cgroups (Modal) one capped tmpfs per slot holds all its places, and a slot with a
+    layered root cannot mount. Without bwrap (no mount namespace) slots write to the
+    sandbox's shared ``/tmp``, ``/var/tmp`` and ``/dev/shm``: status says nothing caps
+    them (SECURITY.md), and a release removes what the slot left there."""
+    backend = await mode_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1,
                                  filesystem=filesystem)
     pool = backend.get_status()["pools"][backend.default_profile]
-    assert pool["caps"]["memory"]["mib"] == 256, pool["caps"]
+    caps = pool["caps"]
+    assert caps["memory"]["mib"] == 256, caps
+    enforced = caps["tmpfs"]["enforced"]
+    if mode_backend.mode == "modal-nobwrap":
+        assert enforced.startswith("none: slots without bubblewrap share"), caps
+    elif pool["limits"] == "rlimit":  # Modal: no cgroups in its containers
+        assert ("one size-capped tmpfs per slot" in enforced if pool["filesystem"] == "workspace-only"
+                else "cannot mount" in enforced), caps
+    else:
+        assert "memory cgroup" in enforced, caps
     hog, neighbour = await backend.acquire("hog"), await backend.acquire("neighbour")
-    places = " ".join(pool["caps"]["tmpfs"]["places"] + ["/dev", "/data"])
-    fill = f"for d in {places}; do head -c 400M /dev/zero > $d/fill 2>/dev/null; done; echo filled"
+    places = " ".join(caps["tmpfs"]["places"] + ["/dev", "/data", "/tmp", "/var/tmp", "/dev/shm"])
+    fill = (f"for d in {places}; do head -c 400M /dev/zero > $d/fill-$$ 2>/dev/null; done; "
+            "mkdir -p extra && mount -t tmpfs -o size=1g none extra 2>/dev/null && "
+            "head -c 400M /dev/zero > extra/fill 2>/dev/null; echo filled")
     r = await bash(backend, hog, fill, timeout=60)
     assert r.output.endswith("filled\n") or "memory limit" in (r.error or ""), (r.output, r.error)
     r = await bash(backend, neighbour, "python3 -c 'x = bytearray(150 * 1024 * 1024); "
                                        "x[::4096] = b\"y\" * len(x[::4096]); print(len(x))'", timeout=60)
     assert r.success and r.output == f"{150 * 1024 * 1024}\n", (r.output, r.error)
-    used = await bash(backend, hog, f"du -smc {places} 2>/dev/null | tail -1")
-    assert int(used.output.split()[0]) <= 256, used.output
+    used = await bash(backend, hog, TMPFS_USED)
+    assert used.success and int(used.output.split()[0]) <= 256, used.output
+    if mode_backend.mode == "modal-nobwrap":  # what it left in the shared places goes with it
+        await backend.release(hog, reset_workspace=True)
+        left = [p for p in ("/tmp", "/var/tmp", "/dev/shm")
+                if any(mode_backend.view.host_path(backend, p).glob("fill-*"))]
+        assert not left, left

@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from support import SMALL, agent_processes, bash, processes
+from support import SMALL, bash, layered, processes
 
 from .helpers import call, none_alive, victim_state
 
@@ -46,13 +46,6 @@ def host_add_session_key(description: str, payload: bytes) -> int:
     return serial
 
 
-def ctl_dirs(backend, slot) -> list[Path]:
-    root = Path(backend.get_status()["drivers"]["local"]["state_root"])
-    shm = [p for p in Path("/dev/shm").glob("hermes-modal-tool-*") if (p / slot.sandbox_id).is_dir()]
-    return [p / slot.sandbox_id / f"slot_{slot.index}" for p in shm] or [
-        root / slot.sandbox_id / "ctl" / f"slot_{slot.index}"]
-
-
 @pytest.mark.skipif(SYS_KEYCTL is None, reason="keyctl numbers unknown on this machine")
 async def test_slots_get_their_own_session_keyring(mode_backend):
     """bwrap makes no session keyring: without one of its own, a slot reads (and can
@@ -73,24 +66,39 @@ async def test_slots_get_their_own_session_keyring(mode_backend):
     assert slot_payload not in r.output and host_payload not in r.output, r.output
 
 
-async def test_control_files_are_not_the_slots_to_change_or_others_to_read(backend, two_slots):
+async def test_control_files_are_not_the_slots_to_change_or_others_to_read(mode_backend):
     """The agent's control directory of a slot is root's (the slot cannot write it, so it
     cannot plant a link the agent would follow); its files are readable by that slot's
-    group only, never by other local users."""
-    a, b = two_slots
-    r = await bash(backend, b, "echo marker-b")
-    assert r.output == "marker-b\n"
-    for d in ctl_dirs(backend, b):
-        st = d.stat()
-        assert st.st_uid == os.geteuid() and not st.st_mode & 0o022 and not st.st_mode & 0o007, oct(st.st_mode)
-        for f in d.iterdir():
-            fst = f.lstat()
-            assert stat.S_ISREG(fst.st_mode) and not fst.st_mode & 0o007, (f, oct(fst.st_mode))
-    # From inside: the control directory is read-only and its files cannot be replaced.
-    r = await bash(backend, b, "ls -ld /run/hmt; touch /run/hmt/x 2>&1; "
-                               "ln -sf /etc/passwd /run/hmt/cmd 2>&1; chmod 777 /run/hmt 2>&1; echo done")
-    assert r.output.rstrip().endswith("done") and "marker" not in r.output
+    group only, never by other local users. Checked on the host, in every mode (without
+    bwrap the slot sees the directory at its real path, not read-only-mounted)."""
+    backend = await mode_backend(**{**SMALL, "max_sandboxes": 1})
+    a, b = await backend.acquire("victim"), await backend.acquire("attacker")
+    assert (await bash(backend, a, "echo victim-secret > secret.txt; mkdir d; echo x > d/f")).success
+    assert (await bash(backend, b, "echo marker-b")).output == "marker-b\n"
+    dirs = mode_backend.view.ctl_dirs(backend, b)
+    assert dirs, "the attacker's control directory was not found on the host"
+
+    def look() -> list:
+        out = []
+        for d in dirs:
+            st = d.lstat()
+            assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid(), (d, st)
+            assert not st.st_mode & 0o022 and not st.st_mode & 0o007, oct(st.st_mode)
+            for f in d.iterdir():
+                fst = f.lstat()
+                assert stat.S_ISREG(fst.st_mode) and not fst.st_mode & 0o007, (f, oct(fst.st_mode))
+            out.append((st.st_mode, st.st_uid, st.st_gid, sorted(p.name for p in d.iterdir())))
+        return out
+
+    before = look()
+    ctl = ("/run/hmt" if mode_backend.mode != "modal-nobwrap"
+           else mode_backend.view.in_sandbox(backend, dirs[0]))
+    r = await bash(backend, b, f"ls -ld {ctl}; touch {ctl}/x 2>&1; ln -sf /etc/passwd {ctl}/cmd 2>&1; "
+                               f"ln -s /etc/passwd {ctl}/planted 2>&1; chmod 777 {ctl} 2>&1; echo done")
+    assert r.output.rstrip().endswith("done") and "marker" not in r.output, r.output
+    assert look() == before  # same owner, mode and entries; no file became a link
     assert (await bash(backend, b, "echo still-works")).output == "still-works\n"
+    assert look() == before
     assert await victim_state(backend, a) == ["victim-secret", "d", "secret.txt", "x"]
 
 
@@ -111,10 +119,26 @@ async def test_names_that_are_not_utf8_come_back_printable(mode_backend):
         assert base64.b64decode(odd["raw_path"]) == b"report\xff\xfe.txt"
 
 
+def agent_pids() -> list[int]:
+    """This test's agents: agent processes among this process's descendants (on Modal
+    the local control plane's container, a bwrap, is the agent's parent), not bwrap."""
+    procs = processes()
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    found, todo = [], [os.getpid()]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            if procs[pid].is_agent and not procs[pid].is_bwrap and procs[pid].comm.startswith("python"):
+                found.append(pid)
+    return found
+
+
 def agent_hwm_kib() -> int:
     """Peak resident memory (VmHWM, KiB) of this test's agents (one backend: one agent)."""
     best = 0
-    for pid in agent_processes():
+    for pid in agent_pids():
         try:
             text = Path(f"/proc/{pid}/status").read_text()
         except OSError:
@@ -125,22 +149,24 @@ def agent_hwm_kib() -> int:
     return best
 
 
-async def test_per_call_buffers_are_bounded(make_backend):
+async def test_per_call_buffers_are_bounded(mode_backend):
     """read_file(limit=1) of 64 MiB of short lines, a forged marker prefix followed by a
     flood, and read_artifact of 40 MB: the agent's peak memory grows by far less than what
     the slot made it handle; each result is capped; the neighbour still answers."""
-    backend = await make_backend(output_limit=5000)
+    backend = await mode_backend(output_limit=5000)
     hog = await backend.acquire("hog")
     other = await backend.acquire("other")
-    r = await bash(backend, hog, "yes | head -c 64M > /tmp/lines; head -c 40M /dev/zero | tr '\\0' a > /tmp/big; echo ok",
+    r = await bash(backend, hog, "yes | head -c 64M > lines; head -c 40M /dev/zero | tr '\\0' a > big; echo ok",
                    timeout=120)
     assert r.output == "ok\n", r.output
+    assert len(agent_pids()) == 1, agent_pids()
     before = agent_hwm_kib()
-    r = await call(backend, hog, "read_file", path="/tmp/lines", limit=1)
+    assert before > 10 * 1024, before  # a Python agent, not a bwrap
+    r = await call(backend, hog, "read_file", path="lines", limit=1)
     assert r.success and r.output == "y\n" and r.metadata["total_lines"] == 32 * 1024 * 1024
-    r = await call(backend, hog, "read_file", path="/tmp/lines", offset=1000, limit=3)
+    r = await call(backend, hog, "read_file", path="lines", offset=1000, limit=3)
     assert r.output == "y\ny\ny\n" and r.metadata["first_line"] == 1000
-    art = await backend.read_artifact(hog, "/tmp/big")
+    art = await backend.read_artifact(hog, "big")
     assert art["success"] and len(art["content"]) == 5000 and art["truncated"]
     r = await bash(backend, hog, "printf '\\036%s ' \"$__hmt_n\"; head -c 200M /dev/zero; echo end", timeout=120)
     assert r.metadata["truncated"] and len(r.output) < 6000
@@ -168,14 +194,31 @@ def deep_tree(root: Path, depth: int) -> None:
 async def test_deep_and_wide_trees_are_removed_by_the_host_and_the_agent(tmp_path):
     """A slot can leave a tree 100,000 levels deep or 25,000 directories wide. Removing it
     (the agent's wipes, and the host's own cleanup after a crash) needs no recursion and no
-    open file per level: it works under a limit of 64 open files."""
+    open file per level: it works under a limit of 64 open files. (The two big trees are
+    made in ``/dev/shm`` when it is there: on disk their 250,000 mkdirs and rmdirs alone
+    take a minute or more of a busy machine's I/O and prove nothing more.)"""
+    import asyncio
+    import tempfile
+
+    from hermes_modal_tool.agent.trees import remove_tree
+
+    base = Path(tempfile.mkdtemp(prefix="hmt-trees-", dir="/dev/shm")) if os.access(
+        "/dev/shm", os.W_OK) else tmp_path
+    try:
+        await removed_without_recursion(base)
+    finally:
+        if base != tmp_path:
+            await asyncio.to_thread(remove_tree, str(base))
+
+
+async def removed_without_recursion(base: Path) -> None:
     import asyncio
     import resource
 
     from hermes_modal_tool.agent.trees import remove_tree
     from hermes_modal_tool.drivers.local import LocalDriver
 
-    deep, wide = tmp_path / "deep", tmp_path / "wide"
+    deep, wide = base / "deep", base / "wide"
     deep.mkdir()
     wide.mkdir()
     await asyncio.to_thread(deep_tree, deep, 100_000)
@@ -220,14 +263,17 @@ async def test_nothing_a_tenant_started_outlives_its_release(mode_backend):
     assert lines[2] == "end", r.output
 
 
-async def test_disk_measurement_never_follows_a_link_the_slot_swaps_in(make_backend):
+async def test_disk_measurement_never_follows_a_link_the_slot_swaps_in(mode_backend):
     """The agent measures a slot's layer while its command runs (``slot_disk``), with
     directory descriptors that never follow a link (``trees.walk_tree``). A slot that
     keeps swapping a directory of its layer for a symlink to ``/`` gets no false stop.
     (A path-based walk could be steered into the host's tree only in a narrow window
     between listing a directory and entering it, so this cannot force the old flaw; it
     checks that the walk holds up while the layer changes under it.)"""
-    backend = await make_backend(slot_disk=64)
+    backend = await mode_backend(**SMALL, slot_disk=64)
+    disk = backend.get_status()["pools"][backend.default_profile]["caps"]["disk"]
+    watched = layered(backend) or mode_backend.mode == "modal-nobwrap"  # its layer, or its uid's files
+    assert disk["enforced"] == ("watched" if watched else "none"), disk
     slot = await backend.acquire("swapper")
     swap = ("mkdir -p d/e/f; end=$((SECONDS + 4)); while [ $SECONDS -lt $end ]; do "
             "mv d d.real; ln -s / d; rm d; mv d.real d; done; du -sm d | cut -f1")

@@ -221,7 +221,11 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
         finally:
             self._phase = "stopped"
             if self._own_state and self.state_dir is not None:
-                await asyncio.to_thread(shutil.rmtree, self.state_dir, True)
+                # A sandbox's files may hold a tree 100,000 levels deep (past shutil's
+                # recursion limit even with ignore_errors): the agent's iterative remover.
+                from ...agent.trees import remove_tree
+
+                await asyncio.to_thread(remove_tree, str(self.state_dir))
 
     async def __aenter__(self) -> LocalModalServer:
         return await self.start()
