@@ -26,7 +26,7 @@ from .errors import (
     SnapshotError,
     UsageError,
 )
-from .slots import ExecutionResult, Slot, SlotState, ToolResult
+from .slots import ExecutionResult, OutputEvent, Slot, SlotState, ToolResult
 from .snapshots import SlotSnapshot
 
 __version__ = "0.1.0"
@@ -43,6 +43,7 @@ __all__ = [
     "IsolationUnavailableError",
     "ModalSandboxConfig",
     "ModalToolBackend",
+    "OutputEvent",
     "PoolTimeoutError",
     "SandboxConfig",
     "SandboxDiedError",

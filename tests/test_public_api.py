@@ -30,6 +30,7 @@ EXPECTED_ALL = [
     "IsolationUnavailableError",
     "ModalSandboxConfig",
     "ModalToolBackend",
+    "OutputEvent",
     "PoolTimeoutError",
     "SandboxConfig",
     "SandboxDiedError",

@@ -15,6 +15,7 @@ import time
 
 from .. import protocol
 from . import files, filetools
+from .streaming import OutputStream
 
 #: Seconds a call may wait to start (behind its slot's running call, for admission or
 #: for its shell) before the host is told it is queued and stops its deadline until the
@@ -117,6 +118,7 @@ class Calls:
         if args.get("timeout") is not None:
             timeout = args["timeout"]
         background = args.get("background") or False
+        raw = args.get("encoding") == "bytes"
         stdin_path = "/dev/null"
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
@@ -128,10 +130,15 @@ class Calls:
             watched = slot.root is not None and self.slot_disk_mb
             if watched:
                 done = self._disk_checked(slot, done)
+            live = OutputStream(self, slot.shell, msg.get("id"), raw) if msg.get("stream") else None
+            if live is not None:
+                done = _closing(live, done)
 
             def begin():
                 slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done,
-                                 one_line="\n" not in command.strip("\n"))
+                                 one_line="\n" not in command.strip("\n"), raw=raw)
+                if live is not None and slot.shell.collector is not None:
+                    slot.shell.collector.sink = live.sink
                 if watched:
                     self.own(self._watch_disk(slot, slot.shell.collector))
         self.launch(slot, msg, begin, done)
@@ -267,10 +274,20 @@ class Calls:
             res["error"] = "could not start the background job: %s" % (res["error"] or res["output"])
             return res
         slot.background_sids.append(pid)
+        for key in ("stdout", "stderr"):
+            res.pop(key, None)
         res["output"] = ("started background job %d (pid %d); its output goes to %s"
                          % (job, pid, log))
         res["data"] = {"background": {"job": job, "pid": pid, "log": log}}
         return res
+
+
+def _closing(live, done):
+    """``done`` after the live output's last event is sent."""
+    def finish(result):
+        live.close()
+        done(result)
+    return finish
 
 
 def _tool_failure(exc, args):
