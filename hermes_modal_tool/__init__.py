@@ -26,6 +26,7 @@ from .errors import (
     SnapshotError,
     UsageError,
 )
+from .processes import SlotProcess
 from .slots import ExecutionResult, OutputEvent, Slot, SlotState, ToolResult
 from .snapshots import SlotSnapshot
 
@@ -52,6 +53,7 @@ __all__ = [
     "SecretNotFoundError",
     "SetupError",
     "Slot",
+    "SlotProcess",
     "SlotSnapshot",
     "SlotState",
     "SnapshotError",

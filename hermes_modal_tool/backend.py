@@ -32,12 +32,13 @@ from .drivers import make_driver
 from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .pool import SandboxPool
+from .processes import ProcessMethods
 from .shared_setup import SharedSetups
 from .slots import ExecutionResult, OutputEvent, Slot
 from .snapshots import SlotSnapshot, Snapshots
 
 
-class ToolBackend(SnapshotMethods, ArtifactMethods):
+class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,

@@ -36,6 +36,9 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 ``snapshots`` ``{}``: the sandbox's snapshots, sizes and reference counts.
 ``export_snapshot`` / ``import_snapshot``: a snapshot as a tar stream, in chunks.
 ``ping``      ``{}`` with id 0: the owner is alive (Modal's heartbeat); no answer.
+``process``   ``{"slot": int, "action": str, "process": int, ...}``: a slot's processes
+              (a ``bash`` call with ``pty: true`` starts one; see
+              ``hermes_modal_tool/agent/ptyprocs.py``).
 ``ack``       ``{"bytes": int}`` with id 0: the host received that much streamed output
               (see ``output`` below); no answer.
 
@@ -63,7 +66,7 @@ HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
-       "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack")
+       "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack", "process")
 
 #: Tools the agent knows, in the order error messages list them.
 TOOLS = (
@@ -80,7 +83,8 @@ TOOLS = (
 #: encoding (``text``/``base64``), env (``{NAME: value}``). The agent rejects other keys.
 TOOL_ARGS = {
     "bash": {"command": ("str", True), "timeout": ("number", False), "background": ("bool", False),
-             "stdin": ("str", False), "env": ("env", False), "encoding": ("output_encoding", False)},
+             "stdin": ("str", False), "env": ("env", False), "encoding": ("output_encoding", False),
+             "pty": ("bool", False), "rows": ("int", False), "cols": ("int", False)},
     "read_file": {"path": ("str", True), "offset": ("int", False), "limit": ("int", False),
                   "encoding": ("encoding", False)},
     "write_file": {"path": ("str", True), "content": ("str", True), "encoding": ("encoding", False),

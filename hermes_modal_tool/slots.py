@@ -61,8 +61,9 @@ class ExecutionResult:
     Attributes:
         success: True when the call completed and (for ``bash``) exited with 0.
         output: the tool's text output (stdout and stderr interleaved in the order
-            they came, for ``bash``), capped at the profile's ``output_limit``
-            characters: what the model reads.
+            they came, for ``bash``; two pipes, so writes to both closer together
+            than the agent reads them may change places), capped at the profile's
+            ``output_limit`` characters: what the model reads.
         error: why the call failed (None on success); names a timeout, a dead
             sandbox, a bad argument or the exit code.
         execution_id: unique id of this call.

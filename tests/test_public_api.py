@@ -39,6 +39,7 @@ EXPECTED_ALL = [
     "SecretNotFoundError",
     "SetupError",
     "Slot",
+    "SlotProcess",
     "SlotSnapshot",
     "SlotState",
     "SnapshotError",

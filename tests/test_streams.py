@@ -63,7 +63,7 @@ async def test_exact_bytes_are_capped_by_bytes(driver_backend):
 async def test_streams_capped_like_output(driver_backend):
     backend = await driver_backend(output_limit=1000)
     slot = await backend.acquire("cap-text")
-    r = await bash(backend, slot, "echo first >&2; seq 1 3000; echo last >&2")
+    r = await bash(backend, slot, "echo first >&2; sleep 0.1; seq 1 3000; sleep 0.1; echo last >&2")
     assert r.metadata["truncated"]
     assert len(r.stdout) < 1200 and r.stdout.startswith("1\n") and r.stdout.endswith("3000\n")
     assert "output truncated" in r.stdout

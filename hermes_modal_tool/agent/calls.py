@@ -14,7 +14,7 @@ import heapq
 import time
 
 from .. import protocol
-from . import files, filetools
+from . import files, filetools, ptyprocs
 from .streaming import OutputStream
 
 #: Seconds a call may wait to start (behind its slot's running call, for admission or
@@ -122,7 +122,10 @@ class Calls:
         stdin_path = "/dev/null"
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
-        if background:
+        if args.get("pty") is not None:  # a process beside the shell (agent/ptyprocs.py)
+            def begin():
+                self.own(self._process(slot, command, env, args, done))
+        elif background:
             def begin():
                 self.own(self._background(slot, command, env, done))
         else:
@@ -244,6 +247,14 @@ class Calls:
                 msg["_queued"] = True
                 self.send({"id": 0, "event": "queued", "target": msg.get("id")})
         self._schedule_notices()
+
+    async def _process(self, slot, command, env, args, done):
+        try:
+            result = await ptyprocs.start(self, slot, command, env, args.get("rows") or 24,
+                                          args.get("cols") or 80, bool(args["pty"]))
+        except Exception as exc:
+            result = protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
+        done(result)
 
     async def _background(self, slot, command, env, done):
         try:

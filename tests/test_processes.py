@@ -1,0 +1,73 @@
+"""Processes beside a slot's shell: a Python REPL driven through a PTY, resize, signals,
+wait with a timeout, list; released with the slot. Once per driver."""
+
+from __future__ import annotations
+
+import pytest
+from support import bash, eventually, processes
+
+from hermes_modal_tool import SandboxError
+
+
+async def test_a_python_repl_on_a_pty(driver_backend):
+    backend = await driver_backend(slots_per_sandbox=2, max_sandboxes=1)
+    slot = await backend.acquire("repl")
+    await bash(backend, slot, "cd /tmp && export GREETING=hello")
+    proc = await backend.start_process(slot, "python3 -q", rows=30, cols=100)
+    assert proc.pty and proc.pid > 0
+    await proc.read_until(b">>> ")
+    await proc.write("import os, shutil; print(os.getcwd(), os.environ['GREETING'], shutil.get_terminal_size())\n")
+    out = await proc.read_until(b"columns=100, lines=30")
+    assert b"/tmp hello" in out  # the shell's directory and exported variables
+    await proc.write("name = input('name? ')\n")
+    await proc.read_until(b"name? ")
+    await proc.write("Ada\n")
+    await proc.write("print('hi', name)\n")
+    await proc.read_until(b"hi Ada")
+    # The shell stays free for calls meanwhile.
+    assert (await bash(backend, slot, "echo shell-free")).stdout == "shell-free\n"
+    await proc.write("import time; time.sleep(60)\n")
+    await proc.write("\x03")  # Ctrl-C through the terminal
+    await proc.read_until(b"KeyboardInterrupt")
+    await proc.resize(50, 132)
+    await proc.write("print(shutil.get_terminal_size())\n")
+    await proc.read_until(b"columns=132, lines=50")
+    assert await proc.wait(timeout_s=0.2) is None  # still running
+    [listed] = await backend.list_processes(slot)
+    assert listed["id"] == proc.id and listed["running"] and listed["pty"]
+    await proc.write("exit(3)\n")
+    assert await proc.wait(timeout_s=20) == 3
+    [listed] = await backend.list_processes(slot)
+    assert not listed["running"] and listed["returncode"] == 3
+    with pytest.raises(SandboxError, match="has ended"):
+        await proc.write("more\n")
+
+
+async def test_pipes_signals_and_end_of_input(driver_backend):
+    backend = await driver_backend()
+    slot = await backend.acquire("pipes")
+    cat = await backend.start_process(slot, "cat; echo done-$?", pty=False)
+    await cat.write(b"\x00raw\xff\n", eof=True)
+    assert await cat.wait(timeout_s=20) == 0
+    assert await cat.read() == b"\x00raw\xff\ndone-0\n"
+    sleeper = await backend.start_process(slot, "sleep 600", pty=False)
+    await sleeper.signal("TERM")
+    assert await sleeper.wait(timeout_s=20) == -15
+    with pytest.raises(Exception, match="unknown signal"):
+        await sleeper.signal("NOPE")
+
+
+async def test_release_kills_the_slots_processes(driver_backend):
+    backend = await driver_backend()
+    slot = await backend.acquire("doomed")
+    marker = "4242"
+    proc = await backend.start_process(slot, f"sleep {marker}; echo never")
+    assert await proc.wait(timeout_s=0.1) is None
+    await backend.release(slot, reset_workspace=True)
+
+    async def sleeping() -> bool:
+        return any(f"sleep\x00{marker}".encode() in p.cmdline for p in processes().values())
+
+    assert not await eventually(sleeping, lambda alive: not alive, timeout=20)
+    again = await backend.acquire("next")
+    assert await backend.list_processes(again) == []
