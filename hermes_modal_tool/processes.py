@@ -154,6 +154,19 @@ class ProcessMethods:
             raise SandboxError(f"could not start {command!r:.80} in slot {slot.slot_id}: {r.error}")
         return SlotProcess(slot, int(info["id"]), int(info["pid"]), bool(info["pty"]), command, self)  # type: ignore[arg-type]
 
+    async def process(self, slot: Slot, process_id: int) -> SlotProcess:
+        """A handle on process ``process_id`` of ``slot``: one a ``bash`` call started
+        (``pty: true`` or ``background: true``: its result's ``metadata["process"]["id"]``)
+        or one :meth:`list_processes` shows.
+
+        Raises:
+            SandboxError: the slot has no such process (never started, or released).
+        """
+        for info in await self.list_processes(slot):
+            if info["id"] == process_id:
+                return SlotProcess(slot, info["id"], info["pid"], info["pty"], info["command"], self)  # type: ignore[arg-type]
+        raise SandboxError(f"slot {slot.slot_id} has no process {process_id!r}")
+
     async def list_processes(self, slot: Slot) -> list[dict[str, Any]]:
         """The slot's processes: ``id``, ``pid``, ``command``, ``pty``, ``running``,
         ``returncode``."""

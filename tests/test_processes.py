@@ -71,3 +71,20 @@ async def test_release_kills_the_slots_processes(driver_backend):
     assert not await eventually(sleeping, lambda alive: not alive, timeout=20)
     again = await backend.acquire("next")
     assert await backend.list_processes(again) == []
+
+
+async def test_background_jobs_are_processes_and_keep_their_log(driver_backend):
+    backend = await driver_backend()
+    slot = await backend.acquire("bg")
+    r = await bash(backend, slot, "echo one; sleep 0.3; echo two >&2; exit 5", background=True)
+    assert r.success, r.error
+    log = r.metadata["background"]["log"]
+    job = await backend.process(slot, r.metadata["process"]["id"])
+    assert job.pid == r.metadata["background"]["pid"] and not job.pty
+    assert await job.wait(timeout_s=20) == 5
+    assert await job.read() == b"one\ntwo\n"
+    assert (await bash(backend, slot, f"cat {log}")).stdout == "one\ntwo\n"
+    [listed] = await backend.list_processes(slot)
+    assert (listed["running"], listed["returncode"]) == (False, 5)
+    with pytest.raises(SandboxError, match="no process 999"):
+        await backend.process(slot, 999)

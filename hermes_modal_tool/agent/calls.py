@@ -264,12 +264,22 @@ class Calls:
         done(result)
 
     async def start_background(self, slot, command, env):
-        """Start ``command`` detached (own session) with output to a log in the workspace."""
+        """Start ``command`` detached (own session) with output to a log in the workspace:
+        a process of the slot (:mod:`.ptyprocs`, on pipes, its output also in the log),
+        or, in a slot without ``python3``, a job of its own."""
         slot.bg_counter += 1
         job = slot.bg_counter
-        script = slot.write_ctl("bg_%d.sh" % job, command.encode("utf-8", "surrogatepass") + b"\n")
         ws = slot.ws_path if slot.root is not None else slot.workspace.path
         log = "%s/.background/job_%d.log" % (ws, job)
+        res = await ptyprocs.start(self, slot, command, env, 24, 80, False, log=log)
+        if res is not None:
+            info = res["data"].get("process")
+            if info is not None:
+                res["output"] = ("started background job %d (pid %d, process %d); its output goes to %s"
+                                 % (job, info["pid"], info["id"], log))
+                res["data"]["background"] = {"job": job, "pid": info["pid"], "log": log}
+            return res
+        script = slot.write_ctl("bg_%d.sh" % job, command.encode("utf-8", "surrogatepass") + b"\n")
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
         # setsid is the backgrounded process itself, so $! is the job's pid and session id,
         # and it exists before this call returns (a later timeout will not count it).

@@ -5,7 +5,8 @@ cgroup, working directory and exported variables: the slot's shell starts it), s
 shipped as text (:data:`SOURCE`) written to the slot's control directory. It connects
 to the agent's socket (``argv[1]``), starts ``bash SCRIPT`` (``argv[5]``) in a new
 session on a new terminal of ``argv[2]`` rows and ``argv[3]`` columns (``argv[4]``:
-``1`` a PTY, ``0`` pipes), and relays. Frames both ways: one type byte, a 4-byte
+``1`` a PTY, ``0`` pipes), and relays; with ``argv[6]`` it also appends the output to
+that file (a background job's log). Frames both ways: one type byte, a 4-byte
 big-endian length, the payload. Agent to helper: ``i`` input, ``r`` resize
 (``b"ROWS COLS"``), ``s`` a signal number for the process group, ``e`` end of input.
 Helper to agent: ``p`` the process's pid, ``o`` output, ``x`` the exit status (``-N``:
@@ -20,6 +21,7 @@ def main():
     path, rows, cols, use_pty, script = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
+    log = open(sys.argv[6], "ab", buffering=0) if len(sys.argv) > 6 else None
 
     def send(kind, data):
         sock.sendall(kind + struct.pack(">I", len(data)) + data)
@@ -45,7 +47,7 @@ def main():
                 os.dup2(in_r, 0)
                 os.dup2(out_w, 1)
                 os.dup2(out_w, 2)
-            os.closerange(3, 65536)
+            os.closerange(3, 65536)  # the log too
             for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGQUIT):  # `&` ignored INT, QUIT
                 signal.signal(sig, signal.SIG_DFL)
             os.execvp("bash", ["bash", script])
@@ -70,6 +72,11 @@ def main():
             except OSError:  # EIO: the terminal's last user closed it
                 data = b""
             if data:
+                if log is not None:
+                    try:
+                        log.write(data)
+                    except OSError:
+                        pass
                 send(b"o", data)
             else:
                 reading = False

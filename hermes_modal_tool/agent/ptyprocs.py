@@ -162,8 +162,11 @@ def table(agent):
     return procs
 
 
-async def start(agent, slot, command, env, rows, cols, pty):
-    """Start ``command`` as a process of ``slot``; return a ``call`` result."""
+async def start(agent, slot, command, env, rows, cols, pty, log=None):
+    """Start ``command`` as a process of ``slot``; return a ``call`` result (data
+    ``{"process": {"id", "pid", "pty"}}``). ``log``: a path as the slot sees it to append
+    the output to as well (a background job's); then, in a slot without ``python3``,
+    None: the caller starts the job its own way."""
     n = next(_IDS)
     name = "proc_%d.sock" % n
     host_path = os.path.join(slot.ctl_host, name)
@@ -177,16 +180,20 @@ async def start(agent, slot, command, env, rows, cols, pty):
         script = slot.write_ctl("proc_%d.sh" % n, command.encode("utf-8", "surrogatepass") + b"\n")
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
         launcher = ("command -v python3 >/dev/null 2>&1 || { echo 'python3 is not in the slot: "
-                    "processes need it'; exit 1; }\n%ssetsid python3 %s %s %d %d %d %s "
-                    "</dev/null >/dev/null 2>&1 &\necho $!" % (
-                        prefix, _q(helper), _q("%s/%s" % (slot.ctl_path, name)), rows, cols,
-                        1 if pty else 0, _q(script)))
+                    "processes need it'; exit %d; }\n" % (3 if log else 1))
+        if log:
+            launcher += "mkdir -p %s || exit 1\n" % _q(os.path.dirname(log))
+        launcher += ("%ssetsid python3 %s %s %d %d %d %s %s</dev/null >/dev/null 2>&1 &\necho $!" % (
+            prefix, _q(helper), _q("%s/%s" % (slot.ctl_path, name)), rows, cols, 1 if pty else 0,
+            _q(script), _q(log) + " " if log else ""))
         cmd = slot.write_ctl("cmd", launcher.encode("utf-8", "surrogatepass") + b"\n")
         res = await slot.shell.run(cmd, "/dev/null", {}, 10.0, 4096)
         try:
             pid = int(res["output"].strip().splitlines()[-1])
         except (ValueError, IndexError):
             pid = None
+        if log and res["returncode"] == 3:
+            return None
         if pid is None or res["returncode"] != 0:
             return protocol.call_result(
                 error="could not start the process: %s" % (res["error"] or res["output"].strip()),
@@ -206,6 +213,14 @@ async def start(agent, slot, command, env, rows, cols, pty):
     conn.setblocking(False)
     proc = Proc(slot.index, pid, command, pty, conn, agent.loop)
     table(agent)[proc.id] = proc
+    deadline = agent.loop.time() + CONNECT_S
+    while proc.pid == pid and proc.running and agent.loop.time() < deadline:  # its own pid
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.changed), deadline - agent.loop.time())
+        except asyncio.TimeoutError:
+            break
+    pid = proc.pid
+    slot.background_sids.append(pid)  # its own session: a timeout of a later command spares it
     return protocol.call_result(
         output="started process %d (pid %d)%s" % (proc.id, pid, " on a terminal" if pty else ""),
         returncode=0, data={"process": {"id": proc.id, "pid": pid, "pty": pty}})
