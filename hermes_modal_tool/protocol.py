@@ -80,7 +80,8 @@ TOOLS = (
 )
 
 #: Each tool's arguments: name -> (kind, required). Kinds: str, number, int, bool,
-#: encoding (``text``/``base64``), env (``{NAME: value}``). The agent rejects other keys.
+#: encoding (``text``/``base64``), output_encoding (``text``/``bytes``: what a bash
+#: result's stdout and stderr hold), env (``{NAME: value}``). The agent rejects other keys.
 TOOL_ARGS = {
     "bash": {"command": ("str", True), "timeout": ("number", False), "background": ("bool", False),
              "stdin": ("str", False), "env": ("env", False), "encoding": ("output_encoding", False),

@@ -4,6 +4,7 @@ wait with a timeout, list; released with the slot. Once per driver."""
 from __future__ import annotations
 
 import pytest
+from image_builder import images_for_tests
 from support import bash, eventually, processes
 
 from hermes_modal_tool import SandboxError
@@ -88,3 +89,16 @@ async def test_background_jobs_are_processes_and_keep_their_log(driver_backend):
     assert (listed["running"], listed["returncode"]) == (False, 5)
     with pytest.raises(SandboxError, match="no process 999"):
         await backend.process(slot, 999)
+
+
+async def test_a_slot_without_python3_says_so_and_keeps_plain_background_jobs(make_backend, tmp_path_factory,
+                                                                               tmp_path, monkeypatch):
+    monkeypatch.setenv("HERMES_MODAL_TOOL_IMAGE_CACHE", str(tmp_path / "cache"))
+    images = images_for_tests(tmp_path_factory)  # busybox only: no python3
+    backend = await make_backend(image=images["two"])
+    slot = await backend.acquire("no-python")
+    with pytest.raises(SandboxError, match="python3 is not in the slot"):
+        await backend.start_process(slot, "sh")
+    r = await bash(backend, slot, "echo from-job", background=True)
+    assert r.success, r.error
+    assert "process" not in r.metadata and "job_" in r.metadata["background"]["log"]

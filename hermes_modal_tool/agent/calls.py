@@ -283,7 +283,7 @@ class Calls:
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
         # setsid is the backgrounded process itself, so $! is the job's pid and session id,
         # and it exists before this call returns (a later timeout will not count it).
-        launcher = ("mkdir -p %s/.background || exit 1\n%ssetsid bash --noprofile --norc %s "
+        launcher = ("mkdir -p %s/.background || return 1\n%ssetsid bash --noprofile --norc %s "
                     "</dev/null >%s 2>&1 &\necho $!" % (_q(ws), prefix, _q(script), _q(log)))
         cmd = slot.write_ctl("cmd", launcher.encode("utf-8", "surrogatepass") + b"\n")
         res = await slot.shell.run(cmd, "/dev/null", {}, 10.0, 4096)

@@ -179,10 +179,11 @@ async def start(agent, slot, command, env, rows, cols, pty, log=None):
         helper = slot.write_ctl("ptyhelper.py", ptyhelper.SOURCE.encode())
         script = slot.write_ctl("proc_%d.sh" % n, command.encode("utf-8", "surrogatepass") + b"\n")
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
+        # `return`, not `exit`: the shell sources this file (an exit would end the shell).
         launcher = ("command -v python3 >/dev/null 2>&1 || { echo 'python3 is not in the slot: "
-                    "processes need it'; exit %d; }\n" % (3 if log else 1))
+                    "processes need it'; return %d; }\n" % (3 if log else 1))
         if log:
-            launcher += "mkdir -p %s || exit 1\n" % _q(os.path.dirname(log))
+            launcher += "mkdir -p %s || return 1\n" % _q(os.path.dirname(log))
         launcher += ("%ssetsid python3 %s %s %d %d %d %s %s</dev/null >/dev/null 2>&1 &\necho $!" % (
             prefix, _q(helper), _q("%s/%s" % (slot.ctl_path, name)), rows, cols, 1 if pty else 0,
             _q(script), _q(log) + " " if log else ""))
