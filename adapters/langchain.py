@@ -17,6 +17,12 @@ artifact the :class:`~hermes_modal_tool.ExecutionResult`. A non-zero exit, a
 timeout (exit code 124) or a bad path is tool output the model reads, not an
 exception.
 
+Streaming: an async ``bash`` call (``ainvoke``, ``astream_events``, an agent's
+``astream``) dispatches the command's output as it comes, as LangChain custom events
+named :data:`OUTPUT_EVENT` (``{"stream": "stdout"|"stderr", "data": str}``, in
+``astream_events`` as ``on_custom_event`` of the tool's run); the tool's result is
+unchanged. Sync calls do not stream.
+
 Async calls (``ainvoke``) await the engine; sync calls (``invoke``) run it on the
 process's one background loop (:func:`hermes_modal_tool.portal.run_sync`). A
 backend lives on the event loop it was started on: start it with
@@ -44,6 +50,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, ClassVar, Literal, TypeVar
 
+from langchain_core.callbacks import AsyncCallbackManagerForToolRun, adispatch_custom_event
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, BaseToolkit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -55,7 +62,10 @@ from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import ExecutionResult, Slot
 from hermes_modal_tool.tools import TOOL_SPECS
 
-__all__ = ["BashTool", "ReadFileTool", "SandboxToolkit", "SlotSandbox", "WriteFileTool"]
+__all__ = ["OUTPUT_EVENT", "BashTool", "ReadFileTool", "SandboxToolkit", "SlotSandbox", "WriteFileTool"]
+
+#: Name of the custom events that carry a running ``bash`` call's output.
+OUTPUT_EVENT = "hermes_modal_tool.output"
 
 T = TypeVar("T")
 
@@ -120,10 +130,11 @@ def _new_key() -> str:
 
 
 async def _run_tool(sessions: SlotSessions, key: str, tool: str, args: dict[str, Any],
-                    profile: str | None, timeout_s: float | None) -> ExecutionResult:
+                    profile: str | None, timeout_s: float | None, on_output: Any = None) -> ExecutionResult:
     """One call in ``key``'s slot; a busy pool or a lost sandbox becomes a failed result."""
     try:
-        return await sessions.execute(key, tool, args, timeout_s=timeout_s, profile=profile)
+        return await sessions.execute(key, tool, args, timeout_s=timeout_s, profile=profile,
+                                      on_output=on_output)
     except (PoolTimeoutError, SandboxError) as exc:
         return ExecutionResult.failure(f"{type(exc).__name__}: {exc}")
 
@@ -165,13 +176,36 @@ class _SlotTool(BaseTool):
     def _run(self, config: RunnableConfig, **kwargs: Any) -> tuple[str, ExecutionResult]:
         return _call(self.backend, self._call_engine(config, kwargs))
 
-    async def _arun(self, config: RunnableConfig, **kwargs: Any) -> tuple[str, ExecutionResult]:
-        return await _acall(self.backend, self._call_engine(config, kwargs))
+    async def _arun(self, config: RunnableConfig, run_manager: AsyncCallbackManagerForToolRun | None = None,
+                    **kwargs: Any) -> tuple[str, ExecutionResult]:
+        if self.spec_name != "bash" or run_manager is None or not run_manager.handlers:  # nobody listens
+            return await _acall(self.backend, self._call_engine(config, kwargs))
+        events_config: RunnableConfig = {"callbacks": run_manager.get_child()}  # of this tool's run
+        # The engine may run on another loop (the backend's): events come back through
+        # call_soon_threadsafe, in order, all before the result; one task forwards them.
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
 
-    async def _call_engine(self, config: RunnableConfig, kwargs: dict[str, Any]) -> tuple[str, ExecutionResult]:
+        def on_output(event: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        async def forward() -> None:
+            while (event := await queue.get()) is not None:
+                await adispatch_custom_event(OUTPUT_EVENT, {"stream": event.stream, "data": event.data},
+                                             config=events_config)
+
+        forwarder = asyncio.ensure_future(forward())
+        try:
+            return await _acall(self.backend, self._call_engine(config, kwargs, on_output))
+        finally:
+            loop.call_soon(queue.put_nowait, None)  # after the events already scheduled
+            await forwarder
+
+    async def _call_engine(self, config: RunnableConfig, kwargs: dict[str, Any],
+                           on_output: Any = None) -> tuple[str, ExecutionResult]:
         spec = TOOL_SPECS[self.spec_name]
         result = await _run_tool(self.sessions, self.key(config), spec.name, spec.engine_args(kwargs),
-                                 self.profile, self.timeout_s)
+                                 self.profile, self.timeout_s, on_output)
         return self.format_result(result), result
 
     @staticmethod

@@ -26,7 +26,8 @@ from .errors import (
     SnapshotError,
     UsageError,
 )
-from .slots import ExecutionResult, Slot, SlotState, ToolResult
+from .processes import SlotProcess
+from .slots import ExecutionResult, OutputEvent, Slot, SlotState, ToolResult
 from .snapshots import SlotSnapshot
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "IsolationUnavailableError",
     "ModalSandboxConfig",
     "ModalToolBackend",
+    "OutputEvent",
     "PoolTimeoutError",
     "SandboxConfig",
     "SandboxDiedError",
@@ -51,6 +53,7 @@ __all__ = [
     "SecretNotFoundError",
     "SetupError",
     "Slot",
+    "SlotProcess",
     "SlotSnapshot",
     "SlotState",
     "SnapshotError",

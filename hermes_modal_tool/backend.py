@@ -21,9 +21,10 @@ import asyncio
 import os
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from . import streaming
 from ._artifact_api import ArtifactMethods
 from ._snapshot_api import SnapshotMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -31,12 +32,13 @@ from .drivers import make_driver
 from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .pool import SandboxPool
+from .processes import ProcessMethods
 from .shared_setup import SharedSetups
-from .slots import ExecutionResult, Slot
+from .slots import ExecutionResult, OutputEvent, Slot
 from .snapshots import SlotSnapshot, Snapshots
 
 
-class ToolBackend(SnapshotMethods, ArtifactMethods):
+class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,
@@ -318,6 +320,7 @@ class ToolBackend(SnapshotMethods, ArtifactMethods):
         self,
         requests: Sequence[tuple[Slot, str, Mapping[str, Any]]],
         timeout_s: float | None = None,
+        on_output: Callable[[OutputEvent], Any] | None = None,
     ) -> list[ExecutionResult]:
         """Run tool calls in parallel across slots; results come back in input order.
 
@@ -343,6 +346,10 @@ class ToolBackend(SnapshotMethods, ArtifactMethods):
                 most commands end within 20 ms) and queues the others, first come
                 first served. On an overloaded machine a call can therefore take
                 longer than its timeout to come back without having timed out.
+            on_output: called on the event loop with each :class:`OutputEvent`
+                (``index``: the request's position) while bash calls run, in the
+                order the output came; a call's events all come before its result.
+                An exception it raises is logged and ignored.
 
         Returns:
             One ExecutionResult per request. A timed-out command has
@@ -387,7 +394,8 @@ class ToolBackend(SnapshotMethods, ArtifactMethods):
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
                                                      slot.slot_id)
                 continue
-            submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False)
+            listen = None if on_output is None else streaming.listener(i, slot.slot_id, on_output)
+            submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False, listener=listen)
             if isinstance(submitted, ExecutionResult):
                 results[i] = submitted
                 continue
@@ -423,10 +431,28 @@ class ToolBackend(SnapshotMethods, ArtifactMethods):
                 results[i] = pool.to_result(slot, tool, outcome, eid)
         return results  # type: ignore[return-value]
 
-    async def execute(self, slot: Slot, tool: str, args: Mapping[str, Any],
-                      timeout_s: float | None = None) -> ExecutionResult:
+    async def execute(self, slot: Slot, tool: str, args: Mapping[str, Any], timeout_s: float | None = None,
+                      on_output: Callable[[OutputEvent], Any] | None = None) -> ExecutionResult:
         """One tool call (``execute_batch`` of one)."""
-        return (await self.execute_batch([(slot, tool, args)], timeout_s))[0]
+        return (await self.execute_batch([(slot, tool, args)], timeout_s, on_output))[0]
+
+    def execute_stream(self, slot: Slot, tool: str, args: Mapping[str, Any],
+                       timeout_s: float | None = None) -> AsyncIterator[OutputEvent | ExecutionResult]:
+        """One tool call whose output comes as it is written: an async iterator of
+        :class:`OutputEvent` (stdout and stderr chunks, in order), then the
+        :class:`ExecutionResult` (arguments as :meth:`execute`). Closing it early
+        (``aclose()``; ``contextlib.aclosing`` to ``break``) cancels the call, killing
+        its processes. Raises as :meth:`execute_batch` when iterated.
+
+        Example:
+            >>> async def tail(backend, slot):
+            ...     async for item in backend.execute_stream(slot, "bash", {"command": "make"}):
+            ...         if isinstance(item, OutputEvent):
+            ...             print(item.data, end="")
+            ...     return item  # the ExecutionResult
+        """
+        return streaming.stream_one(
+            lambda on_output: self.execute_batch([(slot, tool, args)], timeout_s, on_output))
 
     # -- status ---------------------------------------------------------------------------
     def get_status(self) -> dict[str, Any]:

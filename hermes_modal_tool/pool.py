@@ -401,10 +401,11 @@ class SandboxPool(SlotResets, PoolStatus):
 
     # -- calls ---------------------------------------------------------------------
     def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
-               flush: bool = True):
+               flush: bool = True, listener: Any = None):
         """Send one tool call; return ``(sandbox, mid, future)`` or an ExecutionResult on error.
 
-        With ``flush=False`` the frame waits for the sandbox's ``flush()``.
+        With ``flush=False`` the frame waits for the sandbox's ``flush()``; with a
+        ``listener`` the agent streams the call's output to it (``output`` events).
         """
         try:
             rec = self.record_of(slot)
@@ -422,9 +423,11 @@ class SandboxPool(SlotResets, PoolStatus):
             return ExecutionResult.failure(
                 f"timeout {own if own is not None else wait!r:.40} s is longer than the "
                 f"{MAX_CALL_TIMEOUT_S:g} s maximum", slot.slot_id, returncode=None)
+        message = {"op": "call", "slot": rec.index, "tool": tool, "args": args, "timeout": timeout}
+        if listener is not None:
+            message["stream"] = True
         try:
-            mid, fut = sb.submit({"op": "call", "slot": rec.index, "tool": tool, "args": args,
-                                  "timeout": timeout}, float(wait) + HOST_GRACE_S, flush)
+            mid, fut = sb.submit(message, float(wait) + HOST_GRACE_S, flush, listener)
         except ProtocolError as exc:
             bad = [k for k, v in args.items() if not _json_ok(v)]
             named = f"argument {', '.join(map(repr, bad))} " if bad else "arguments "

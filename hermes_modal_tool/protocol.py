@@ -36,6 +36,16 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 ``snapshots`` ``{}``: the sandbox's snapshots, sizes and reference counts.
 ``export_snapshot`` / ``import_snapshot``: a snapshot as a tar stream, in chunks.
 ``ping``      ``{}`` with id 0: the owner is alive (Modal's heartbeat); no answer.
+``process``   ``{"slot": int, "action": str, "process": int, ...}``: a slot's processes
+              (a ``bash`` call with ``pty: true`` starts one; see
+              ``hermes_modal_tool/agent/ptyprocs.py``).
+``ack``       ``{"bytes": int}`` with id 0: the host received that much streamed output
+              (see ``output`` below); no answer.
+
+A ``call`` with ``"stream": true`` has its output sent while it runs, as events
+``{"id": 0, "event": "output", "target": id, "chunks": [[1 or 2, str], ...], "b64"?}``
+(1 stdout, 2 stderr; base64 with ``encoding: "bytes"``), all before its response
+(``hermes_modal_tool/agent/streaming.py``: the bounds per slot and per sandbox).
 
 Responses (agent -> host): ``{"id": int, "ok": bool, "error": str?, "result": {...}}``.
 For ``call`` the result has the keys of :data:`RESULT_KEYS`.
@@ -56,7 +66,7 @@ HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
-       "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping")
+       "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack", "process")
 
 #: Tools the agent knows, in the order error messages list them.
 TOOLS = (
@@ -70,10 +80,12 @@ TOOLS = (
 )
 
 #: Each tool's arguments: name -> (kind, required). Kinds: str, number, int, bool,
-#: encoding (``text``/``base64``), env (``{NAME: value}``). The agent rejects other keys.
+#: encoding (``text``/``base64``), output_encoding (``text``/``bytes``: what a bash
+#: result's stdout and stderr hold), env (``{NAME: value}``). The agent rejects other keys.
 TOOL_ARGS = {
     "bash": {"command": ("str", True), "timeout": ("number", False), "background": ("bool", False),
-             "stdin": ("str", False), "env": ("env", False)},
+             "stdin": ("str", False), "env": ("env", False), "encoding": ("output_encoding", False),
+             "pty": ("bool", False), "rows": ("int", False), "cols": ("int", False)},
     "read_file": {"path": ("str", True), "offset": ("int", False), "limit": ("int", False),
                   "encoding": ("encoding", False)},
     "write_file": {"path": ("str", True), "content": ("str", True), "encoding": ("encoding", False),
@@ -91,7 +103,7 @@ MAX_TIMEOUT_S = 86400.0
 _KIND_WORDS = {
     "str": "a string", "number": "a positive number of seconds (at most %d)" % MAX_TIMEOUT_S,
     "int": "a whole number >= 0", "bool": "true or false",
-    "encoding": "'text' or 'base64'", "env": "an object mapping variable names to strings",
+    "encoding": "'text' or 'base64'", "output_encoding": "'text' or 'bytes'", "env": "an object mapping variable names to strings",
 }
 
 
@@ -142,6 +154,8 @@ def _check_kind(kind, value):
         return None if 0 < value <= MAX_TIMEOUT_S else True  # NaN fails both comparisons
     if kind == "encoding":
         return None if value in ("text", "base64") and isinstance(value, str) else True
+    if kind == "output_encoding":
+        return None if value in ("text", "bytes") and isinstance(value, str) else True
     if kind == "env":
         if not isinstance(value, dict):
             return True
@@ -157,6 +171,11 @@ def _check_kind(kind, value):
 
 #: Keys of a ``call`` result.
 RESULT_KEYS = ("output", "error", "returncode", "timed_out", "truncated", "duration_s", "data")
+#: Keys a ``bash`` result has besides: ``stdout`` and ``stderr`` (texts, capped like
+#: ``output``) only when the command wrote to stderr (else ``output`` is its stdout);
+#: ``stdout_b64``, ``stderr_b64`` (each stream's first ``output_limit`` bytes, exact)
+#: and ``stdout_bytes``, ``stderr_bytes`` (the bytes each wrote) with ``encoding: "bytes"``.
+STREAM_KEYS = ("stdout", "stderr", "stdout_b64", "stderr_b64", "stdout_bytes", "stderr_bytes")
 
 #: Exit code reported for a command stopped by its timeout (as GNU ``timeout`` does).
 TIMEOUT_EXIT_CODE = 124

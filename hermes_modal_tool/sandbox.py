@@ -28,6 +28,8 @@ log = logging.getLogger("hermes_modal_tool")
 #: Extra seconds the host waits past a call's own timeout before giving up on the agent
 #: (generous: an overloaded machine delays the agent's kill-and-report procedure).
 HOST_GRACE_S = 30.0
+#: Streamed output bytes after which the host acknowledges them (agent/streaming.py ACK_BYTES).
+STREAM_ACK_BYTES = 64 * 1024
 INIT_TIMEOUT_S = 60.0
 
 
@@ -48,6 +50,8 @@ class Sandbox:
         self._pending: dict[int, asyncio.Future] = {}
         self._deadlines: dict[int, tuple[asyncio.TimerHandle | None, float]] = {}
         self._outbox: list[bytes] = []
+        self._listeners: dict[int, Callable[[dict[str, Any]], None]] = {}
+        self._unacked = 0  # streamed output received and not yet acknowledged
         self._on_death = on_death
         self._reader: asyncio.Task | None = None
         self._closing = False
@@ -89,8 +93,19 @@ class Sandbox:
 
     def _on_event(self, msg: dict[str, Any]) -> None:
         """``queued``: the call waits before it starts (no deadline meanwhile);
-        ``started``: its command started (the whole deadline from now)."""
+        ``started``: its command started (the whole deadline from now); ``output``:
+        live output of a call submitted with a listener."""
         mid = msg.get("target")
+        if msg["event"] == "output":
+            listener = self._listeners.get(mid)  # type: ignore[arg-type]
+            if listener is not None:
+                listener(msg)
+            self._unacked += sum(len(chunk[1]) for chunk in msg.get("chunks") or ())
+            if self._unacked >= STREAM_ACK_BYTES:  # the agent's window (agent/streaming.py)
+                self._outbox.append(protocol.encode({"id": 0, "op": "ack", "bytes": self._unacked}))
+                self._unacked = 0
+                self.flush()
+            return
         entry = self._deadlines.get(mid)  # type: ignore[arg-type]
         if entry is None or msg["event"] not in ("queued", "started"):
             return
@@ -142,10 +157,12 @@ class Sandbox:
             self._on_death(self)
 
     # -- requests ------------------------------------------------------------
-    def submit(self, message: dict[str, Any], wait_s: float,
-               flush: bool = True) -> tuple[int, asyncio.Future]:
+    def submit(self, message: dict[str, Any], wait_s: float, flush: bool = True,
+               listener: Callable[[dict[str, Any]], None] | None = None,
+               ) -> tuple[int, asyncio.Future]:
         """Send one request (now, or at the next :meth:`flush` when ``flush=False``, so a
         batch goes out in one write); return its id and a future for the reply.
+        ``listener(event)`` gets the request's ``output`` events until the reply.
 
         The future fails with SandboxDiedError if the sandbox dies, or SandboxError
         if no reply comes within ``wait_s`` seconds.
@@ -159,6 +176,8 @@ class Sandbox:
         message["id"] = mid
         frame = protocol.encode(message)  # ProtocolError before anything is registered
         self._pending[mid] = fut
+        if listener is not None:
+            self._listeners[mid] = listener
         self._outbox.append(frame)
         if flush:
             self.flush()
@@ -176,6 +195,7 @@ class Sandbox:
                 self.handle.write(data)
 
     def _forget(self, mid: int) -> None:
+        self._listeners.pop(mid, None)
         timer, _ = self._deadlines.pop(mid, (None, 0.0))
         if timer is not None:
             timer.cancel()

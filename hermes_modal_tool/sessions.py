@@ -61,11 +61,13 @@ class SlotSessions:
             return session.slot
 
     async def execute(self, key: str, tool: str, args: Mapping[str, Any], *,
-                      timeout_s: float | None = None, profile: str | None = None) -> ExecutionResult:
-        """Run one tool call in ``key``'s slot (never retried)."""
+                      timeout_s: float | None = None, profile: str | None = None,
+                      on_output: Any = None) -> ExecutionResult:
+        """Run one tool call in ``key``'s slot (never retried); ``on_output``: as
+        :meth:`ToolBackend.execute`."""
         slot = await self.slot(key, profile)
         try:
-            return await self.backend.execute(slot, tool, args, timeout_s)
+            return await self.backend.execute(slot, tool, args, timeout_s, on_output)
         finally:
             session = self._sessions.get(key)
             if session is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
 import time
@@ -59,14 +60,31 @@ class ExecutionResult:
 
     Attributes:
         success: True when the call completed and (for ``bash``) exited with 0.
-        output: the tool's text output (stdout and stderr interleaved for
-            ``bash``), capped at the profile's ``output_limit`` characters.
+        output: the tool's text output (stdout and stderr interleaved in the order
+            they came, for ``bash``; two pipes, so writes to both closer together
+            than the agent reads them may change places), capped at the profile's
+            ``output_limit`` characters: what the model reads.
         error: why the call failed (None on success); names a timeout, a dead
             sandbox, a bad argument or the exit code.
         execution_id: unique id of this call.
         slot_id: the slot it ran in.
         metadata: ``returncode`` (int or None), ``duration_s`` (seconds),
-            ``timed_out``, ``truncated``, plus tool data (``background``, ``path``, ...).
+            ``timed_out``, ``truncated`` (output or a stream was capped), plus tool
+            data (``background``, ``path``, ...; ``stdout_bytes``/``stderr_bytes``,
+            the bytes each stream wrote, with ``encoding="bytes"``).
+        stdout: a ``bash`` command's standard output alone, capped like ``output``
+            (``str``); with the bash argument ``encoding="bytes"`` the exact bytes
+            (``bytes``: NUL bytes and invalid UTF-8 kept, nothing replaced), capped
+            at the first ``output_limit`` bytes. For other tools: ``output``.
+        stderr: the same for standard error (``""``, or ``b""``, when nothing).
+
+    How the two streams cost nothing extra on the common path: in the sandbox,
+    stdout and stderr come from two pipes but are stored once, in one head and
+    tail buffer in arrival order, with the byte ranges stderr wrote noted beside
+    it; ``stdout`` and ``stderr`` are cut from that buffer only when stderr wrote
+    something. A command that wrote only to stdout sends nothing more than
+    ``output`` (one empty read of its stderr pipe is all it costs), and here
+    ``stdout`` is that same ``output`` string, not a copy.
     """
 
     success: bool
@@ -75,6 +93,14 @@ class ExecutionResult:
     execution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     slot_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    stdout: str | bytes | None = None
+    stderr: str | bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.stdout is None:
+            self.stdout = self.output
+        if self.stderr is None:
+            self.stderr = b"" if isinstance(self.stdout, bytes) else ""
 
     @property
     def returncode(self) -> int | None:
@@ -109,8 +135,34 @@ class ExecutionResult:
             "truncated": bool(result.get("truncated")),
         }
         meta.update(result.get("data") or {})
-        return cls(success=error is None, output=result.get("output", ""), error=error,
-                   execution_id=execution_id, slot_id=slot_id, metadata=meta)
+        output = result.get("output", "")
+        stdout, stderr = result.get("stdout"), result.get("stderr")
+        if "stdout_b64" in result:
+            stdout = base64.b64decode(result["stdout_b64"])
+            stderr = base64.b64decode(result.get("stderr_b64") or "")
+            meta["stdout_bytes"] = result.get("stdout_bytes", len(stdout))
+            meta["stderr_bytes"] = result.get("stderr_bytes", len(stderr))
+        return cls(success=error is None, output=output, error=error, execution_id=execution_id,
+                   slot_id=slot_id, metadata=meta, stdout=stdout, stderr=stderr)
+
+
+@dataclass(frozen=True)
+class OutputEvent:
+    """Output a running call wrote, as it came (see ``ToolBackend.execute_stream`` and
+    the ``on_output`` argument of ``execute``/``execute_batch``).
+
+    Attributes:
+        index: the call's position in its ``execute_batch`` request list (0 for ``execute``).
+        slot_id: the slot it runs in.
+        stream: ``"stdout"`` or ``"stderr"``.
+        data: the chunk: ``str`` (decoded per stream; a character cut between two
+            reads is not replaced), ``bytes`` with the bash argument ``encoding="bytes"``.
+    """
+
+    index: int
+    slot_id: str
+    stream: str
+    data: str | bytes
 
 
 @dataclass

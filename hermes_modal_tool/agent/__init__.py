@@ -44,6 +44,9 @@ _MODULES = (
     ("hermes_modal_tool.agent.caps", "agent/caps.py"),
     ("hermes_modal_tool.agent.heartbeat", "agent/heartbeat.py"),
     ("hermes_modal_tool.agent.setup", "agent/setup.py"),
+    ("hermes_modal_tool.agent.streaming", "agent/streaming.py"),
+    ("hermes_modal_tool.agent.ptyhelper", "agent/ptyhelper.py"),
+    ("hermes_modal_tool.agent.ptyprocs", "agent/ptyprocs.py"),
     ("hermes_modal_tool.agent.calls", "agent/calls.py"),
     ("hermes_modal_tool.agent.main", "agent/main.py"),
 )

@@ -14,7 +14,8 @@ import heapq
 import time
 
 from .. import protocol
-from . import diskwatch, files, filetools
+from . import diskwatch, files, filetools, ptyprocs
+from .streaming import OutputStream
 
 #: Seconds a call may wait to start (behind its slot's running call, for admission or
 #: for its shell) before the host is told it is queued and stops its deadline until the
@@ -117,10 +118,14 @@ class Calls:
         if args.get("timeout") is not None:
             timeout = args["timeout"]
         background = args.get("background") or False
+        raw = args.get("encoding") == "bytes"
         stdin_path = "/dev/null"
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
-        if background:
+        if args.get("pty") is not None:  # a process beside the shell (agent/ptyprocs.py)
+            def begin():
+                self.own(self._process(slot, command, env, args, done))
+        elif background:
             def begin():
                 self.own(self._background(slot, command, env, done))
         else:
@@ -128,10 +133,15 @@ class Calls:
             watched = diskwatch.watched(self, slot)
             if watched:
                 done = self._disk_checked(slot, done)
+            live = OutputStream(self, slot.shell, msg.get("id"), raw) if msg.get("stream") else None
+            if live is not None:
+                done = _closing(live, done)
 
             def begin():
                 slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done,
-                                 one_line="\n" not in command.strip("\n"))
+                                 one_line="\n" not in command.strip("\n"), raw=raw)
+                if live is not None and slot.shell.collector is not None:
+                    slot.shell.collector.sink = live.sink
                 if watched:
                     self.own(self._watch_disk(slot, slot.shell.collector))
         self.launch(slot, msg, begin, done)
@@ -238,6 +248,14 @@ class Calls:
                 self.send({"id": 0, "event": "queued", "target": msg.get("id")})
         self._schedule_notices()
 
+    async def _process(self, slot, command, env, args, done):
+        try:
+            result = await ptyprocs.start(self, slot, command, env, args.get("rows") or 24,
+                                          args.get("cols") or 80, bool(args["pty"]))
+        except Exception as exc:
+            result = protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
+        done(result)
+
     async def _background(self, slot, command, env, done):
         try:
             result = await self.start_background(slot, command, env)
@@ -246,16 +264,26 @@ class Calls:
         done(result)
 
     async def start_background(self, slot, command, env):
-        """Start ``command`` detached (own session) with output to a log in the workspace."""
+        """Start ``command`` detached (own session) with output to a log in the workspace:
+        a process of the slot (:mod:`.ptyprocs`, on pipes, its output also in the log),
+        or, in a slot without ``python3``, a job of its own."""
         slot.bg_counter += 1
         job = slot.bg_counter
-        script = slot.write_ctl("bg_%d.sh" % job, command.encode("utf-8", "surrogatepass") + b"\n")
         ws = slot.ws_path if slot.root is not None else slot.workspace.path
         log = "%s/.background/job_%d.log" % (ws, job)
+        res = await ptyprocs.start(self, slot, command, env, 24, 80, False, log=log)
+        if res is not None:
+            info = res["data"].get("process")
+            if info is not None:
+                res["output"] = ("started background job %d (pid %d, process %d); its output goes to %s"
+                                 % (job, info["pid"], info["id"], log))
+                res["data"]["background"] = {"job": job, "pid": info["pid"], "log": log}
+            return res
+        script = slot.write_ctl("bg_%d.sh" % job, command.encode("utf-8", "surrogatepass") + b"\n")
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
         # setsid is the backgrounded process itself, so $! is the job's pid and session id,
         # and it exists before this call returns (a later timeout will not count it).
-        launcher = ("mkdir -p %s/.background || exit 1\n%ssetsid bash --noprofile --norc %s "
+        launcher = ("mkdir -p %s/.background || return 1\n%ssetsid bash --noprofile --norc %s "
                     "</dev/null >%s 2>&1 &\necho $!" % (_q(ws), prefix, _q(script), _q(log)))
         cmd = slot.write_ctl("cmd", launcher.encode("utf-8", "surrogatepass") + b"\n")
         res = await slot.shell.run(cmd, "/dev/null", {}, 10.0, 4096)
@@ -267,10 +295,20 @@ class Calls:
             res["error"] = "could not start the background job: %s" % (res["error"] or res["output"])
             return res
         slot.background_sids.append(pid)
+        for key in ("stdout", "stderr"):
+            res.pop(key, None)
         res["output"] = ("started background job %d (pid %d); its output goes to %s"
                          % (job, pid, log))
         res["data"] = {"background": {"job": job, "pid": pid, "log": log}}
         return res
+
+
+def _closing(live, done):
+    """``done`` after the live output's last event is sent."""
+    def finish(result):
+        live.close()
+        done(result)
+    return finish
 
 
 def _tool_failure(exc, args):

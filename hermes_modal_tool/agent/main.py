@@ -18,7 +18,7 @@ import signal
 import sys
 
 from .. import protocol
-from . import admission, rootfs, snapshots, trees
+from . import admission, ptyprocs, rootfs, snapshots, streaming, trees
 from .calls import FILE_THREADS, STOPPED_BEFORE, Calls
 from .diskwatch import DiskWatch
 from .setup import Setup
@@ -100,6 +100,10 @@ class Agent(Setup, Calls, DiskWatch):
             self.own(self.shutdown(mid))
         elif op == "ping":
             pass  # the owner is alive (noted by _InProtocol for the heartbeat)
+        elif op == "process":
+            ptyprocs.dispatch(self, msg)  # a slot's processes (agent/ptyprocs.py)
+        elif op == "ack":
+            streaming.on_ack(self, msg)  # the host got streamed output (agent/streaming.py)
         elif op in snapshots.OPS:
             snapshots.dispatch(self, msg)
         else:
@@ -155,6 +159,7 @@ class Agent(Setup, Calls, DiskWatch):
             self.stop_current(slot, "the slot was reset before this call ran")
             await slot.idle.wait()
         slot.set_busy(mid)
+        ptyprocs.forget(self, slot.index)  # the reset kills them
         had_shell = slot.shell.used
         try:
             await slot.reset()

@@ -14,7 +14,9 @@ command's input (``n``: /dev/null, ``s``: the control file ``stdin``, ``e``: the
 file ``e``, which sets variables for the command). ``read -N 9`` takes them in one
 ``read`` (a line would cost bash one ``read`` per byte on a pipe). ``__hmt_f`` is a
 read-only function, so a ``break`` in the command cannot leave the loop. Output goes to
-one pipe the agent reads; the end of a command is the marker line with its nonce.
+a pipe the agent reads, stderr to a second one (:mod:`.output` keeps them interleaved
+in arrival order and apart); the end of a command is the marker line with its nonce on
+stdout, and when it comes the agent drains what stderr holds before the call ends.
 
 Starting: ``Popen`` of the slot's ``bwrap`` blocks for 5-10 ms (it joins cgroups and
 drops its uid between fork and exec), so it runs in a worker thread, never on the
@@ -60,6 +62,7 @@ class Shell(ShellProcesses):
         self.proc = None
         self.stdin_fd = None
         self.out_fd = None
+        self.err_fd = None
         self.info_fd = None
         self.init_pid = None
         self.ns_link = None
@@ -140,6 +143,7 @@ class Shell(ShellProcesses):
         agent = slot.agent
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         pass_fds = ()
         info_r = info_w = None
         binds, bash = rootplan.shell_argv(agent.image_bash)  # an image's, or a static one
@@ -168,22 +172,23 @@ class Shell(ShellProcesses):
                 agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
                 agent.rlimits + slot.rlimits, slot.uid, slot.gid)
             proc = subprocess.Popen(
-                argv, stdin=in_r, stdout=out_w, stderr=out_w, env=slot.env, cwd=cwd,
+                argv, stdin=in_r, stdout=out_w, stderr=err_w, env=slot.env, cwd=cwd,
                 pass_fds=pass_fds, preexec_fn=preexec, close_fds=True,
                 start_new_session=(agent.isolation != "bwrap"))
         except BaseException:
-            for fd in (in_w, out_r, info_r):
+            for fd in (in_w, out_r, err_r, info_r):
                 if fd is not None:
                     os.close(fd)
             raise
         finally:
             os.close(in_r)
             os.close(out_w)
+            os.close(err_w)
             if info_w is not None:
                 os.close(info_w)
-        return proc, in_w, out_r, info_r
+        return proc, in_w, out_r, info_r, err_r
 
-    def _attach(self, proc, in_w, out_r, info_r):
+    def _attach(self, proc, in_w, out_r, info_r, err_r=None):
         """Take over a started shell: read its output, write its init lines and the ready marker."""
         self.proc = proc
         self.stdin_fd = in_w
@@ -192,6 +197,10 @@ class Shell(ShellProcesses):
         if info_r is not None:
             os.set_blocking(info_r, False)
         os.set_blocking(out_r, False)
+        self.err_fd = err_r
+        if err_r is not None:
+            os.set_blocking(err_r, False)
+            self.loop.add_reader(err_r, self._on_err)
         self.init_pid = None
         self.ns_link = None
         self.bash_pid = None
@@ -269,6 +278,7 @@ class Shell(ShellProcesses):
             if data:
                 ready.feed(data)  # before the marker only bwrap or bash itself prints
                 return
+            self._drain_err(ready)  # bwrap's or bash's own complaint, if any
             ready.finish(None)  # EOF before the marker: handled below, then by _wait_ready
         if data:
             if collector is not None:
@@ -286,12 +296,69 @@ class Shell(ShellProcesses):
             if not self.interrupting:
                 self._complete()
 
+    def _on_err(self):
+        """Stderr is readable: feed it to the running command (or the starting shell)."""
+        try:
+            data = os.read(self.err_fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # every writer is gone
+            self.loop.remove_reader(self.err_fd)
+            return
+        target = self.ready_collector or self.collector
+        if target is not None:
+            target.feed_err(data)
+
+    def _drain_err(self, collector):
+        """Read what stderr holds now (one empty read on the common path; at most
+        1 MiB, should a process the command left behind keep writing)."""
+        fd = self.err_fd
+        for _ in range(16 if fd is not None else 0):
+            try:
+                data = os.read(fd, 65536)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                return
+            collector.feed_err(data)
+
+    def pause_output(self):
+        """Stop reading the shell's pipes (live output waits to be sent; the command
+        blocks on a full pipe meanwhile)."""
+        for fd in (self.out_fd, self.err_fd):
+            if fd is not None:
+                self.loop.remove_reader(fd)
+
+    def resume_output(self):
+        """Read the shell's pipes again after :meth:`pause_output`."""
+        if self.out_fd is not None and self.eof is not None and not self.eof.done():
+            self.loop.add_reader(self.out_fd, self._on_output)
+        if self.err_fd is not None:
+            self.loop.add_reader(self.err_fd, self._on_err)
+
+    def close_fds(self):
+        if self.err_fd is not None:
+            try:
+                self.loop.remove_reader(self.err_fd)
+            except (ValueError, OSError):
+                pass
+            try:
+                os.close(self.err_fd)
+            except OSError:
+                pass
+            self.err_fd = None
+        super().close_fds()
+
     # -- running commands --------------------------------------------------
-    def start(self, command_file, stdin_path, env, timeout, limit, on_done, one_line=False):
+    def start(self, command_file, stdin_path, env, timeout, limit, on_done, one_line=False,
+              raw=False):
         """Start one command, already written to ``command_file`` (the slot's ``cmd``
         control file); ``stdin_path``: ``/dev/null`` or a control file with its input;
         ``env``: variables for this command only; ``one_line``: the command is a single
-        line, so bash's messages about it need no line number.
+        line, so bash's messages about it need no line number; ``raw``: also keep each
+        stream's exact bytes (``encoding="bytes"``).
 
         ``on_done(result)`` is called once with a ``call`` result dict: from the
         output reader when the end marker arrives (no task or future on this path),
@@ -304,6 +371,8 @@ class Shell(ShellProcesses):
         collector = OutputCollector(nonce.encode(), limit, self.loop)
         collector.source = command_file.encode()
         collector.one_line = one_line
+        if raw:
+            collector.keep_raw()
         self.collector = collector
         self.on_done = on_done
         self.timeout = timeout
@@ -365,7 +434,9 @@ class Shell(ShellProcesses):
             return
         self.collector = None
         self.timer.cancel()
+        self._drain_err(collector)  # written before the end marker: it belongs here
         text, truncated = collector.text()
+        streams, cut = collector.result_fields()
         ended = bool(collector.ended)
         error = None
         rc = collector.returncode
@@ -408,10 +479,14 @@ class Shell(ShellProcesses):
             elif rc not in (0, None):
                 error = "exit code %s; %s" % (rc, note)
         on_done, self.on_done = self.on_done, None
-        on_done({
+        result = {
             "output": text, "error": error, "returncode": rc, "timed_out": self.timed_out,
-            "truncated": truncated, "duration_s": time.monotonic() - self.started_at, "data": data,
-        })
+            "truncated": truncated or cut, "duration_s": time.monotonic() - self.started_at,
+            "data": data,
+        }
+        if streams:
+            result.update(streams)
+        on_done(result)
 
 
 def protocol_result(error, returncode, output=""):

@@ -274,4 +274,4 @@ class ShellProcesses:
             pass
         finally:
             self.collector = collector
-        collector.append(bytes(flush.head) + bytes(flush.tail))
+        collector.absorb(flush)

@@ -25,6 +25,7 @@ from ..slots import ExecutionResult
 from ..status import status_table
 from ._batch_file import Call, Trajectory, parse_batch
 from ._common import InputError, Stopped, make_console, make_profiles, run_stoppable
+from ._live_progress import LiveLines, LiveProgress
 
 OUTPUT_CAP = 2000
 
@@ -82,10 +83,11 @@ class ProgressReport:
         self.bar: Progress | None = None
         self.plain = enabled and not console.is_terminal
         self.last_line = (0.0, -1)
+        self.live = LiveLines(console, self.plain) if enabled else None
         if enabled and console.is_terminal:
-            self.bar = Progress(TextColumn("calls"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[rate]} calls/s"), TimeElapsedColumn(),
-                                console=console)
+            self.bar = LiveProgress(TextColumn("calls"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.fields[rate]} calls/s"), TimeElapsedColumn(),
+                                    console=console, live=self.live)
             self.task = self.bar.add_task("calls", total=total, rate="-")
 
     def __enter__(self) -> ProgressReport:
@@ -166,12 +168,14 @@ def replayed(traj: Trajectory, by_id: Mapping[str, Trajectory]) -> list[Call]:
 
 async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float | None,
                          limit: asyncio.Semaphore, stats: Stats, advance: Callable[[int], None],
-                         forks: Forks | None = None, prelude: list[Call] | None = None) -> dict[str, Any]:
+                         forks: Forks | None = None, prelude: list[Call] | None = None,
+                         live: LiveLines | None = None) -> dict[str, Any]:
     """Acquire a slot (from a shared setup or another trajectory's snapshot when it names
     one), run the trajectory's calls in order, release (with reset); return its record.
 
     ``forks`` None: no forks or shared setups; ``prelude`` (the setup, and a fork's
-    source's calls) runs in the slot first, timed as its setup."""
+    source's calls) runs in the slot first, timed as its setup; ``live`` shows the
+    output of its commands as they run."""
     record: dict[str, Any] = {"id": traj.id, "profile": traj.profile or backend.default_profile,
                               "slot_id": None, "ok": False, "error": None, "steps": []}
     if traj.meta is not None:
@@ -216,9 +220,11 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
                     break
             record["setup_s"] = round(time.monotonic() - started, 4)
             t_calls = time.monotonic()
+            on_output = live.watch(traj.id) if live is not None else None
             for call in traj.calls if record["error"] is None else []:
                 t0 = time.perf_counter()
-                [r] = await backend.execute_batch([(slot, call.tool, call.args)], timeout_s=timeout)
+                [r] = await backend.execute_batch([(slot, call.tool, call.args)], timeout_s=timeout,
+                                                  on_output=on_output)
                 stats.latencies.append(time.perf_counter() - t0)
                 problems = check_expectations(call.expect, r)
                 stats.failed_calls += not r.success
@@ -243,6 +249,8 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
             if forks is not None:
                 forks.fail(traj.id, str(exc))
         finally:
+            if live is not None:
+                live.done(traj.id)
             try:
                 await backend.release(slot, reset_workspace=True)
             except HermesModalToolError as exc:
@@ -279,7 +287,7 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
             nonlocal ok
             record = await run_trajectory(backend, traj, timeout, limits[traj.profile or default],
                                           stats, progress.advance, forks,
-                                          None if use_forks else replayed(traj, by_id))
+                                          None if use_forks else replayed(traj, by_id), progress.live)
             ok += record["ok"]
             writer.put(i, record)
 

@@ -1,4 +1,10 @@
-"""``hermes-modal-tool exec``: one command in a fresh slot, its exit code passed through."""
+"""``hermes-modal-tool exec``: one command in a fresh slot, its exit code passed through.
+
+The command's output streams live: its stdout to this process's stdout and its stderr
+to stderr, byte for byte (the call asks for ``encoding="bytes"``); written from the
+event loop, so a slow reader of this process's output slows the command down (its
+output waits in the sandbox), as a terminal would.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import click
 from ..backend import ToolBackend
 from ..errors import HermesModalToolError
 from ..protocol import MAX_TIMEOUT_S, TIMEOUT_EXIT_CODE
-from ..slots import ExecutionResult
+from ..slots import ExecutionResult, OutputEvent
 from ._common import Stopped, make_profiles, run_stoppable
 
 #: Exit code of ``exec`` when the engine could not run the command (as ``docker run``).
@@ -40,7 +46,7 @@ def exec_(profiles_file: str | None, profile: str | None, timeout: float | None,
                                    defaults={"slots_per_sandbox": 1, "min_sandboxes": 1, "max_sandboxes": 1},
                                    overrides={})
     profiles[name] = profiles[name].model_copy(update={"min_sandboxes": min(profiles[name].min_sandboxes, 1)})
-    args: dict[str, Any] = {"command": line}
+    args: dict[str, Any] = {"command": line, "encoding": "bytes"}
     if timeout is not None:
         if not math.isfinite(timeout):  # FloatRange lets NaN through
             raise click.BadParameter(f"must be a finite number of seconds, got {timeout!r}",
@@ -49,11 +55,20 @@ def exec_(profiles_file: str | None, profile: str | None, timeout: float | None,
     if use_stdin:
         args["stdin"] = click.get_text_stream("stdin").read()
 
+    shown = {"stdout": 0, "stderr": 0}
+
+    def show(event: OutputEvent) -> None:
+        out = sys.stdout if event.stream == "stdout" else sys.stderr
+        data = event.data if isinstance(event.data, bytes) else event.data.encode()
+        out.buffer.write(data)
+        out.flush()
+        shown[event.stream] += len(data)
+
     async def run() -> ExecutionResult:
         backend = ToolBackend(profiles=profiles, default_profile=name)
         try:
             slot = await backend.acquire("cli-exec")
-            return await backend.execute(slot, "bash", args)
+            return await backend.execute(slot, "bash", args, on_output=show)
         finally:
             await backend.stop()
 
@@ -67,7 +82,12 @@ def exec_(profiles_file: str | None, profile: str | None, timeout: float | None,
     except Stopped as exc:
         click.echo(f"error: stopped by {exc}; the sandbox was stopped", err=True)
         sys.exit(exc.exit_code)
-    click.echo(r.output, nl=False)
+    if not any(shown.values()):  # nothing ran (the shell did not start): what it printed
+        click.echo(r.output, nl=False)
+    for stream, total in (("stdout", r.metadata.get("stdout_bytes")), ("stderr", r.metadata.get("stderr_bytes"))):
+        if isinstance(total, int) and total > shown[stream]:
+            click.echo(f"note: output capped: {shown[stream]} of the {total} bytes the command "
+                       f"wrote to {stream} are shown", err=True)
     rc = r.returncode
     if r.error and (r.metadata.get("timed_out") or rc is None or rc >= 128):
         click.echo(f"error: {r.error}", err=True)  # a timeout, a kill, an engine failure

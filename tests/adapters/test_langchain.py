@@ -26,6 +26,7 @@ from langgraph.prebuilt import ToolNode
 
 from hermes_modal_tool import ExecutionResult, SandboxConfig, ToolBackend, UsageError
 from hermes_modal_tool.adapters.langchain import (
+    OUTPUT_EVENT,
     BashTool,
     ReadFileTool,
     SandboxToolkit,
@@ -166,6 +167,24 @@ async def test_async_tools_reach_a_backend_on_another_loop(backend: ToolBackend)
                                      for t in ("async-1", "async-2")))
     assert results[0].startswith("async/data/slot_")
     assert "No such file" in results[1] and "[exit code 0]" in results[1]
+
+
+async def test_bash_output_streams_as_custom_events(backend: ToolBackend) -> None:
+    bash = SandboxToolkit(backend).get_tools()[0]
+    events = [e async for e in bash.astream_events(
+        {"command": "echo one; sleep 0.2; echo two >&2; echo three"}, thread("stream-1"), version="v2")]
+    custom = [e for e in events if e["event"] == "on_custom_event"]
+    assert {e["name"] for e in custom} == {OUTPUT_EVENT}
+    streams = {"stdout": "", "stderr": ""}
+    for e in custom:
+        streams[e["data"]["stream"]] += e["data"]["data"]
+    assert streams == {"stdout": "one\nthree\n", "stderr": "two\n"}
+    [tool_run] = {e["run_id"] for e in events if e["event"] == "on_tool_start"}
+    assert all(e["run_id"] == tool_run for e in custom)  # events of the tool's own run
+    [end] = [e for e in events if e["event"] == "on_tool_end"]
+    assert end["data"]["output"].endswith("[exit code 0]")
+    order = [e["event"] for e in events]
+    assert order.index("on_custom_event") < order.index("on_tool_end")
 
 
 async def test_backend_on_the_callers_loop() -> None:

@@ -51,6 +51,7 @@ BAD_BY_KIND: dict[str, list[Any]] = {
     "int": ["5", "", 1.5, True, False, [], {}, -1, -(10**30)],
     "bool": ["yes", "false", "", 1, 0, 2, [], {}, [True]],
     "encoding": ["utf8", "TEXT", "hex", 5, 0, True, [], {}, ["text"]],
+    "output_encoding": ["utf8", "base64", "BYTES", 5, True, [], {}, ["bytes"]],
     "env": ["A=1", "", [], ["A=1"], 5, True, {"1A": "x"}, {"": "x"}, {"A B": "x"}, {"A": 5},
             {"A": None}, {"A": "x\x00y"}, {"A": ["x"]}],
 }
@@ -71,6 +72,8 @@ def _valid(kind: str, key: str, value: Any) -> bool:
         return isinstance(value, bool)
     if kind == "encoding":
         return value in ("text", "base64")
+    if kind == "output_encoding":
+        return value in ("text", "bytes")
     if kind == "env":
         return isinstance(value, dict) and all(
             isinstance(k, str) and isinstance(v, str) and k.isidentifier() and k.isascii()
