@@ -27,6 +27,7 @@ from typing import Any
 from . import streaming
 from ._artifact_api import ArtifactMethods
 from ._snapshot_api import SnapshotMethods
+from ._status_api import StatusMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .drivers import make_driver
 from .drivers.base import Driver
@@ -38,7 +39,7 @@ from .slots import ExecutionResult, OutputEvent, Slot
 from .snapshots import SlotSnapshot, Snapshots
 
 
-class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods):
+class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,
@@ -453,53 +454,6 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods):
         """
         return streaming.stream_one(
             lambda on_output: self.execute_batch([(slot, tool, args)], timeout_s, on_output))
-
-    # -- status ---------------------------------------------------------------------------
-    def get_status(self) -> dict[str, Any]:
-        """A snapshot: totals over all pools plus ``pools[profile]`` details.
-
-        Keys include ``sandboxes``, ``healthy_sandboxes`` (running, not dead),
-        ``max_sandboxes`` (summed over the profiles; one profile: its own),
-        ``total_slots``, ``available_slots``, ``acquired_slots``,
-        ``slots_per_sandbox`` (of the default profile, else the first),
-        ``default_profile``, ``profiles``, ``active_pools``,
-        ``waiting_acquires``, ``calls_per_second``, ``failures``, ``quarantined_slots``
-        (slots out of service because their reset failed: ``slot_id``, ``error``,
-        ``attempts``, ``gave_up``; see ``resets.py``), ``snapshots`` (each live snapshot:
-        id, profile, sandboxes holding a copy, ``size_bytes``, ``holders``), and per pool
-        the isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
-        Secret values never appear here.
-        """
-        pools = {name: pool.status() for name, pool in self._pools.items()}
-        total = {k: sum(p[k] for p in pools.values()) for k in
-                 ("sandboxes", "healthy_sandboxes", "total_slots", "available_slots",
-                  "acquired_slots", "waiting_acquires", "calls", "failures", "timeouts", "quarantined")}
-        main = self.profiles.get(self.default_profile) or next(iter(self.profiles.values()))
-        return {
-            **total,
-            "max_sandboxes": sum(p.max_sandboxes for p in self.profiles.values()),
-            "calls_per_second": round(sum(p["calls_per_second"] for p in pools.values()), 2),
-            "slots_per_sandbox": main.slots_per_sandbox,
-            "default_profile": self.default_profile,
-            "profiles": list(self.profiles),
-            "active_pools": list(self._pools),
-            "drivers": {name: d.describe() for name, d in self._drivers.items()},
-            "closed": self._closed,
-            "quarantined_slots": [q for p in pools.values() for q in p["quarantined_slots"]],
-            "snapshots": self._snapshots.status(),
-            "setups": self._setups.status(),
-            "pools": pools,
-        }
-
-    def list_profiles(self) -> dict[str, dict[str, Any]]:
-        """Each profile's main settings and whether its pool is running."""
-        return {
-            name: {"driver": p.driver, "image": p.image, "gpu": p.gpu, "cpu": p.cpu, "memory": p.memory,
-                   "slots_per_sandbox": p.slots_per_sandbox, "min_sandboxes": p.min_sandboxes,
-                   "max_sandboxes": p.max_sandboxes, "network": p.network,
-                   "secrets": list(p.secrets), "active": name in self._pools}
-            for name, p in self.profiles.items()
-        }
 
 
 class ModalToolBackend(ToolBackend):
