@@ -24,14 +24,16 @@ command is written to a ready shell, so the time a shell takes to start never co
 against a command. Timeouts and stopping: :mod:`.shellprocs`.
 """
 
+import asyncio
 import os
 import subprocess
+import threading
 import time
 
 from .. import protocol
 from . import isolation, rootplan
 from .output import OutputCollector, marker  # noqa: F401 - marker: re-exported for callers
-from .shellprocs import READY_TIMEOUT_S, ShellProcesses, new_nonce
+from .shellprocs import ShellProcesses, new_nonce, start_timeout
 
 # On SIGUSR1 (a timeout) return from what runs: the sourced command, or a function it
 # runs. In the loop itself there is nothing to return from (the error is silenced), so a
@@ -80,6 +82,9 @@ class Shell(ShellProcesses):
         self.started_at = 0.0
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
         self.stop_reason = None
+        self.layer = None  # the slot's root layer the shell runs on (None: no layered root)
+        self.start_phase = ""  # what the start does now (for the message when it is stuck)
+        self.spawn_tid = None  # native id of the thread that ran the last Popen
 
     @property
     def alive(self):
@@ -87,8 +92,10 @@ class Shell(ShellProcesses):
 
     @property
     def ready(self):
-        """Whether a command can be written to the shell now (it runs and has read its init)."""
-        return self.is_ready and self.alive
+        """Whether a command can be written to the shell now: it runs, has read its init,
+        and its root is the slot's layer in use (a shell left on a layer a fork or snapshot
+        replaced is stopped by the next :meth:`ensure_ready` and a new one started)."""
+        return self.is_ready and self.alive and (self.layer is None or self.layer is self.slot.root.active)
 
     # -- lifecycle ---------------------------------------------------------
     def ensure_ready(self):
@@ -115,24 +122,62 @@ class Shell(ShellProcesses):
                 self.close_fds()  # it died; _on_output already reaped it
                 self.proc = None
             elif self.proc is not None:
-                await self.stop()  # never became ready
+                await self.stop()  # never became ready, or runs on a layer the slot left
             async with agent.spawn_limiter:
                 if self.kill_on_start or agent.closing:
                     return protocol_result("the slot's shell was stopped before it started", 1)
                 key = ("shell", self.slot.index)
                 agent.admission.hold(key)  # a starting shell weighs like a running command
                 try:
-                    spawned = await self.loop.run_in_executor(
-                        agent.executor("spawn"), self._popen)
-                except Exception as exc:  # noqa: BLE001 - reported as the call's result
-                    return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
-                else:
-                    self._attach(*spawned)
-                    return await self._wait_ready()
+                    return await self._start_bounded(start_timeout(agent))
                 finally:
                     agent.admission.release(key)
         finally:
-            self.starting = None
+            if self.starting is asyncio.current_task():
+                self.starting = None
+
+    async def _start_bounded(self, limit):
+        """Spawn the shell and wait until it is ready, all within ``limit`` seconds (its turn
+        among the starting shells does not count); past it the call fails, never hangs."""
+        slot = self.slot
+        deadline = self.loop.time() + limit
+        self.start_phase = "waiting for a fork or snapshot of the slot to finish"
+        spawn = self.loop.create_task(self._spawn())
+        try:
+            done, _ = await asyncio.wait({spawn}, timeout=limit)
+        except asyncio.CancelledError:
+            spawn.cancel()
+            raise
+        if not done:
+            phase = self.start_phase
+            spawn.cancel()  # what the thread still starts is stopped when it returns
+            self.free_stuck_spawn()
+            return protocol_result(
+                "slot %d: its shell did not start within %gs (it was stuck %s); the next "
+                "command tries a new one" % (slot.index, limit, phase), 1)
+        try:
+            spawned = spawn.result()
+        except Exception as exc:  # noqa: BLE001 - reported as the call's result
+            return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
+        if spawned is None:
+            return protocol_result("the slot's shell was stopped before it started", 1)
+        self._attach(*spawned)
+        return await self._wait_ready(max(0.0, deadline - self.loop.time()), limit)
+
+    async def _spawn(self):
+        """``_popen`` in a "spawn" thread while the slot's layers stay put (a fork or
+        snapshot holds ``slot.layer_lock`` while it changes them); None when the start was
+        called off meanwhile."""
+        slot = self.slot
+        async with slot.layer_lock:
+            if self.kill_on_start or slot.agent.closing:
+                return None
+            fut = self.loop.run_in_executor(slot.agent.executor("spawn"), self._popen)
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(self.discard_late_spawn)  # given up: stop what it starts
+                raise
 
     def _popen(self):
         """Start bwrap (or bash); blocking, so it runs in a worker thread."""
@@ -143,9 +188,13 @@ class Shell(ShellProcesses):
         pass_fds = ()
         info_r = info_w = None
         binds, bash = rootplan.shell_argv(agent.image_bash)  # an image's, or a static one
+        self.spawn_tid = threading.get_native_id()  # whose children a stuck start may leave
+        layer = None
         try:
             if slot.root is not None:
+                self.start_phase = "building the slot's root filesystem"
                 slot.ensure_root()  # in this thread: mounts and a fork, once per layer
+                layer = slot.root.active
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
                 argv = isolation.bwrap_root_argv(
@@ -165,6 +214,7 @@ class Shell(ShellProcesses):
             preexec = isolation.make_preexec(
                 agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
                 agent.rlimits + slot.rlimits, slot.uid, slot.gid)
+            self.start_phase = "in bwrap's start (Popen: fork, cgroups, uid drop, exec)"
             proc = subprocess.Popen(
                 argv, stdin=in_r, stdout=out_w, stderr=out_w, env=slot.env, cwd=cwd,
                 pass_fds=pass_fds, preexec_fn=preexec, close_fds=True,
@@ -179,11 +229,12 @@ class Shell(ShellProcesses):
             os.close(out_w)
             if info_w is not None:
                 os.close(info_w)
-        return proc, in_w, out_r, info_r
+        return proc, in_w, out_r, info_r, layer
 
-    def _attach(self, proc, in_w, out_r, info_r):
+    def _attach(self, proc, in_w, out_r, info_r, layer):
         """Take over a started shell: read its output, write its init lines and the ready marker."""
         self.proc = proc
+        self.layer = layer
         self.stdin_fd = in_w
         self.out_fd = out_r
         self.info_fd = info_r
@@ -215,7 +266,9 @@ class Shell(ShellProcesses):
         if self.kill_on_start or self.slot.agent.closing:
             self.kill()
 
-    async def _wait_ready(self):
+    async def _wait_ready(self, wait_s, limit):
+        """Wait (at most ``wait_s``) for the marker that ends the init lines; ``limit`` is
+        the whole start's bound (for the message)."""
         collector = self.ready_collector
         expired = []
 
@@ -223,7 +276,7 @@ class Shell(ShellProcesses):
             expired.append(True)
             self.kill()
 
-        timer = self.loop.call_later(READY_TIMEOUT_S, expire)
+        timer = self.loop.call_later(wait_s, expire)
         try:
             ended = await collector.wait()
         finally:
@@ -236,8 +289,12 @@ class Shell(ShellProcesses):
         text, _ = collector.text()
         status = self.exit_status
         if expired:
-            why = "it was not ready within %gs (the machine is overloaded?)" % READY_TIMEOUT_S
-        elif self.slot.agent.closing:
+            return protocol_result(
+                "slot %d: its shell did not start within %gs (bash was started but did not "
+                "finish its init lines: the machine is overloaded, or the profile's environment "
+                "(BASH_ENV) blocks it); it was killed and the next command tries a new one"
+                % (self.slot.index, limit), 1, text)
+        if self.slot.agent.closing:
             why = "the sandbox was stopped (the backend is shutting down)"
         else:
             why = "it exited with status %s" % (status,)

@@ -24,7 +24,12 @@ from .procs import slot_level, tree_usage
 
 TERM_GRACE_S = 0.5
 SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replaced
-READY_TIMEOUT_S = 60.0  # a shell not ready by then is killed and its call fails
+#: Seconds a shell may take to start once it has its turn among the starting shells
+#: (the slot's root, ``Popen`` of bwrap, bash's init lines); past them the call that
+#: waits fails with an error naming the slot and the stuck step, and what was started is
+#: killed. The init config's ``shell_start_timeout`` (seconds) overrides it: tests set it
+#: through the host's ``HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S`` (see ``sandbox.py``).
+READY_TIMEOUT_S = 60.0
 #: The header of an empty command (after its nonce): the shell only prints the end marker.
 NOOP = ":"
 
@@ -40,6 +45,12 @@ def new_nonce():
 
 
 _NONCES = []
+
+
+def start_timeout(agent):
+    """The bound on a shell's start for ``agent`` (seconds; see :data:`READY_TIMEOUT_S`)."""
+    value = (agent.config or {}).get("shell_start_timeout")
+    return float(value) if value else READY_TIMEOUT_S
 
 
 class ShellProcesses:
@@ -75,6 +86,42 @@ class ShellProcesses:
             return self.proc.wait(timeout=1.0 if block else 0)
         except subprocess.TimeoutExpired:
             return None
+
+    def discard_late_spawn(self, fut):
+        """Done-callback of a ``Popen`` the start gave up on: kill and reap what it started
+        (never attached: the slot may have a new shell by now)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        proc, in_w, out_r, info_r, _ = fut.result()
+        isolation._kill(proc.pid, signal.SIGKILL)  # bwrap's init dies with it (die-with-parent)
+        for pid in isolation.children_of(proc.pid):
+            isolation._kill(pid, signal.SIGKILL)
+        for fd in (in_w, out_r, info_r):
+            if fd is not None:
+                os.close(fd)
+        self.loop.run_in_executor(self.slot.agent.executor("files"), proc.wait)
+
+    def free_stuck_spawn(self):
+        """Kill the child of a ``Popen`` stuck between fork and exec (in ``preexec_fn``, or
+        joining a cgroup), so that its thread returns (and :meth:`discard_late_spawn` stops
+        what it started). Only children of the spawn thread that still run the agent's own
+        executable are killed: they have not exec'd bwrap or bash yet, so no other slot's
+        shell is among them."""
+        tid = self.spawn_tid
+        if tid is None:
+            return
+        try:
+            with open("/proc/self/task/%d/children" % tid) as fh:
+                kids = [int(p) for p in fh.read().split()]
+            own = os.readlink("/proc/self/exe")
+        except OSError:
+            return
+        for pid in kids:
+            try:
+                if os.readlink("/proc/%d/exe" % pid) == own:
+                    isolation._kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def close_fds(self):
         for name in ("stdin_fd", "out_fd", "info_fd"):
@@ -202,7 +249,7 @@ class ShellProcesses:
         if starting is not None and starting is not asyncio.current_task():
             self.kill()  # ends a start in progress (at once, or as soon as Popen returns)
             try:
-                await asyncio.wait_for(asyncio.shield(starting), READY_TIMEOUT_S)
+                await asyncio.wait_for(asyncio.shield(starting), start_timeout(self.slot.agent) + 5.0)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
         if self.proc is None:
