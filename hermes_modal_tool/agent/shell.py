@@ -21,7 +21,12 @@ drops its uid between fork and exec), so it runs in a worker thread, never on th
 agent's event loop; the slot's root layer is built there too. The shell is *ready* when
 it has printed a marker after its init lines; a command's timeout clock starts when the
 command is written to a ready shell, so the time a shell takes to start never counts
-against a command. Timeouts and stopping: :mod:`.shellprocs`.
+against a command. A start is bounded (:func:`.shellprocs.start_timeout`, 60 s, from its
+turn among the starting shells): past it the call fails with an error naming the slot
+and the step that was stuck, and what it started is killed, so a call never waits for a
+shell forever. While the root is built and bwrap starts, the start holds the slot's
+``layer_lock``, which forks, snapshots and resets hold while they change the slot's
+layers. Timeouts and stopping: :mod:`.shellprocs`.
 """
 
 import asyncio
@@ -141,7 +146,7 @@ class Shell(ShellProcesses):
         among the starting shells does not count); past it the call fails, never hangs."""
         slot = self.slot
         deadline = self.loop.time() + limit
-        self.start_phase = "waiting for a fork or snapshot of the slot to finish"
+        self.start_phase = "waiting for a fork, snapshot or reset of the slot to change its layers"
         spawn = self.loop.create_task(self._spawn())
         try:
             done, _ = await asyncio.wait({spawn}, timeout=limit)
@@ -172,6 +177,7 @@ class Shell(ShellProcesses):
         async with slot.layer_lock:
             if self.kill_on_start or slot.agent.closing:
                 return None
+            self.start_phase = "waiting for a free spawn thread"
             fut = self.loop.run_in_executor(slot.agent.executor("spawn"), self._popen)
             try:
                 return await asyncio.shield(fut)
