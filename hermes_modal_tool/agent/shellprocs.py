@@ -47,6 +47,30 @@ def new_nonce():
 _NONCES = []
 
 
+def kill_spawned(outer):
+    """Kill a shell's outer process (bwrap, or bash without it) and its children: stopped
+    first, so that it cannot fork one meanwhile (see ``ShellProcesses._kill_hard``)."""
+    isolation._kill(outer, signal.SIGSTOP)
+    _wait_stopped(outer)
+    for pid in isolation.children_of(outer):
+        isolation._kill(pid, signal.SIGKILL)
+    isolation._kill(outer, signal.SIGKILL)
+
+
+def _wait_stopped(pid, limit_s=1.0):
+    """Wait (a few ms; at most ``limit_s``) until ``pid`` is stopped, a zombie or gone."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
+
+
 def start_timeout(agent):
     """The bound on a shell's start for ``agent`` (seconds; see :data:`READY_TIMEOUT_S`)."""
     value = (agent.config or {}).get("shell_start_timeout")
@@ -93,9 +117,7 @@ class ShellProcesses:
         if fut.cancelled() or fut.exception() is not None:
             return
         proc, in_w, out_r, info_r, _ = fut.result()
-        isolation._kill(proc.pid, signal.SIGKILL)  # bwrap's init dies with it (die-with-parent)
-        for pid in isolation.children_of(proc.pid):
-            isolation._kill(pid, signal.SIGKILL)
+        kill_spawned(proc.pid)
         for fd in (in_w, out_r, info_r):
             if fd is not None:
                 os.close(fd)
@@ -235,11 +257,14 @@ class ShellProcesses:
 
     def _kill_hard(self):
         """Kill the outer bwrap, its children and the slot's cgroup (when the init is unknown
-        or does not go away)."""
-        outer = self.proc.pid
-        isolation._kill(outer, signal.SIGKILL)
-        for pid in isolation.children_of(outer):
-            isolation._kill(pid, signal.SIGKILL)
+        or does not go away).
+
+        bwrap is stopped first: killed while it sets its child up (before ``--info-fd``
+        has the child's pid), its child would wait forever for it to say "go" (an eventfd
+        bwrap writes once the uid maps are set), outside the slot's cgroup where there is
+        none (a Modal container), holding the shell's output pipe, so the shell would never
+        be seen to end. A stopped bwrap forks no more: its children are all found."""
+        kill_spawned(self.proc.pid)
         if self.slot.agent.cgroups:
             self.slot.agent.cgroups.kill_slot(self.slot.index)
 
