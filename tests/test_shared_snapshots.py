@@ -39,7 +39,7 @@ async def test_forks_while_spare_shells_start(driver_backend):
     """Round after round, forks land in slots whose next shell the agent is starting
     (a released slot gets one at once): every fork's first command runs, on the fork's
     own root, and none hangs."""
-    backend = await driver_backend(slots_per_sandbox=4, max_sandboxes=1)
+    backend = await driver_backend(slots_per_sandbox=4, max_sandboxes=1, acquire_timeout_s=30)
     parent = await backend.acquire("parent")
     r = await bash(backend, parent, "mkdir -p /workspace/s && cd /workspace/s && echo base > f && export K=v")
     assert r.success, r
@@ -47,19 +47,21 @@ async def test_forks_while_spare_shells_start(driver_backend):
         pytest.skip("this sandbox's slots have no layered root (no forks)")
     snap = await backend.snapshot(parent)
     releases: list[asyncio.Task] = []
+    # Each step takes well under a second; 30 s catches a shell start stuck until the
+    # agent's 60 s bound (as when a fork killed a starting shell's bwrap too early).
     for round_ in range(8):
         # The last round's forks are still being released (their shells restart) as
         # this round's forks take the same slots.
-        forks = await asyncio.wait_for(backend.fork(snap, 3), 60)
+        forks = await asyncio.wait_for(backend.fork(snap, 3), 30)
         results = await asyncio.wait_for(asyncio.gather(*(
             bash(backend, f, f"pwd; echo $K; cat f; ls; echo r{round_}-{i} > mine")
-            for i, f in enumerate(forks))), 60)
+            for i, f in enumerate(forks))), 30)
         for i, res in enumerate(results):
             assert res.success, (round_, i, res)
             assert res.output.split() == ["/workspace/s", "v", "base", "f"], (round_, i, res)
         releases = [asyncio.ensure_future(backend.release(f)) for f in forks]
         await asyncio.sleep(0.01 * round_)  # vary where the restart is when the fork comes
-    await asyncio.wait_for(asyncio.gather(*releases), 60)
+    await asyncio.wait_for(asyncio.gather(*releases), 30)
     await backend.release_snapshot(snap)
     assert (await bash(backend, parent, "ls")).output.split() == ["f"]
 

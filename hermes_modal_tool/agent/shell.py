@@ -107,7 +107,8 @@ class Shell(ShellProcesses):
         """Start the shell unless it is ready or starting; return a future of the outcome.
 
         The outcome is None once the shell is ready, else a failed ``call`` result
-        saying why it did not start (its output is what bwrap or bash printed). At most
+        saying why it did not start (its output is what bwrap or bash printed), at the
+        latest :func:`.shellprocs.start_timeout` seconds after its turn came. At most
         ``agent.spawn_limiter`` shells of the sandbox start at once (the rest wait their
         turn); ``Popen`` runs in the agent's "spawn" threads, the rest on the loop.
         """
@@ -147,6 +148,7 @@ class Shell(ShellProcesses):
         slot = self.slot
         deadline = self.loop.time() + limit
         self.start_phase = "waiting for a fork, snapshot or reset of the slot to change its layers"
+        self.spawn_tid = None  # set by _popen in its thread: only this start's children are killed
         spawn = self.loop.create_task(self._spawn())
         try:
             done, _ = await asyncio.wait({spawn}, timeout=limit)
