@@ -72,7 +72,7 @@ async def test_a_shell_that_cannot_start_fails_its_call_in_time(driver_backend, 
     call within the agent's bound (set low through the test-only knob) with an error
     naming the slot and what timed out; the call never hangs, other slots go on, the
     slot is reset and tried again."""
-    monkeypatch.setenv(SHELL_START_TIMEOUT_ENV, "3")
+    monkeypatch.setenv(SHELL_START_TIMEOUT_ENV, "5")
     blocker = '$(read -r h </proc/sys/kernel/hostname; [ "$h" = slot-1 ] && sleep 600)'
     backend = await driver_backend(slots_per_sandbox=2, max_sandboxes=1, env_vars={"BASH_ENV": blocker})
     first = await backend.acquire("first")
@@ -84,9 +84,9 @@ async def test_a_shell_that_cannot_start_fails_its_call_in_time(driver_backend, 
         res = await asyncio.wait_for(bash(backend, second, "echo never", timeout=60), 30)
         took = time.monotonic() - started
         assert not res.success, res
-        assert "slot 1: its shell did not start within 3s" in (res.error or ""), res
+        assert "slot 1: its shell did not start within 5s" in (res.error or ""), res
         assert "init lines" in res.error, res
-        assert took < 15, (attempt, took, res)
+        assert took < 20, (attempt, took, res)  # the bound (5 s) plus the host's own work
     assert (await bash(backend, first, "echo still fine")).output == "still fine\n"
     started = time.monotonic()
     await asyncio.wait_for(backend.release(second), 30)
