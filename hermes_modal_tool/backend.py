@@ -197,6 +197,7 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         self._check_open()  # on the backend's own loop
         self._closed = True
         await self._setups.close()
+        await self._snapshots.close()
         await asyncio.gather(*(p.stop() for p in self._pools.values()), return_exceptions=True)
         await asyncio.gather(*(d.aclose() for d in self._drivers.values()), return_exceptions=True)
         if purge:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from . import protocol
 from .drivers.base import SandboxHandle
-from .errors import SandboxDiedError, SandboxError, SandboxStartError
+from .errors import ConfigError, SandboxDiedError, SandboxError, SandboxStartError
 
 log = logging.getLogger("hermes_modal_tool")
 
@@ -31,6 +32,22 @@ HOST_GRACE_S = 30.0
 #: Streamed output bytes after which the host acknowledges them (agent/streaming.py ACK_BYTES).
 STREAM_ACK_BYTES = 64 * 1024
 INIT_TIMEOUT_S = 60.0
+#: Test-only: seconds a slot's shell may take to start in the agent (default 60; see
+#: ``agent/shellprocs.py``), so a test can show a stuck start failing its call quickly.
+SHELL_START_TIMEOUT_ENV = "HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S"
+
+
+def _with_test_knobs(init_config: dict[str, Any]) -> dict[str, Any]:
+    value = os.environ.get(SHELL_START_TIMEOUT_ENV)
+    if not value:
+        return init_config
+    try:
+        seconds = float(value)
+        if not seconds > 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{SHELL_START_TIMEOUT_ENV}={value!r}: expected seconds > 0") from None
+    return {**init_config, "shell_start_timeout": seconds}
 
 
 class Sandbox:
@@ -64,6 +81,7 @@ class Sandbox:
             SandboxStartError: the agent did not answer or refused the config.
         """
         self._decoder = protocol.FrameDecoder()
+        init_config = _with_test_knobs(init_config)
         if not self.handle.attach(self._on_data, self._on_close):
             self._reader = asyncio.get_running_loop().create_task(
                 self._read_loop(), name=f"hermes-modal-tool reader {self.sandbox_id}")

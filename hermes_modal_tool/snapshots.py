@@ -14,7 +14,9 @@ is released. The sandboxes delete a snapshot's files when its last holder lets g
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from .backend import ToolBackend
     from .pool import SandboxPool
     from .sandbox import Sandbox
+
+log = logging.getLogger("hermes_modal_tool")
 
 #: Seconds a snapshot or fork message may take in the agent (a shell stop, a few mounts).
 SNAPSHOT_WAIT_S = 120.0
@@ -84,6 +88,15 @@ class Snapshots:
     def __init__(self, backend: ToolBackend) -> None:
         self.backend = backend
         self.live: dict[str, SlotSnapshot] = {}
+        self._moves: set[asyncio.Task] = set()  # copies to other sandboxes (copy_to)
+
+    async def close(self) -> None:
+        """Cancel the copies still moving to other sandboxes and wait for them (the
+        backend is stopping; their callers get ``CancelledError``)."""
+        moves = list(self._moves)
+        for task in moves:
+            task.cancel()
+        await asyncio.gather(*moves, return_exceptions=True)
 
     # -- the agent's replies -----------------------------------------------------------
     @staticmethod
@@ -209,18 +222,32 @@ class Snapshots:
                        f"fork of {snap.snapshot_id} into {slot.slot_id}")
 
     async def copy_to(self, snap: SlotSnapshot, pool: SandboxPool, sb: Sandbox) -> str:
-        """The agent id of ``snap``'s copy in sandbox ``sb`` (moved there once)."""
+        """The agent id of ``snap``'s copy in sandbox ``sb`` (moved there once: concurrent
+        forks into ``sb`` share one move, a task of this object that :meth:`close` cancels).
+
+        Raises:
+            SnapshotError: no sandbox holding it runs, or the move failed (every waiter
+                gets the same error; a later fork tries again).
+        """
         have = snap._copies.get(sb.sandbox_id)
         if have is not None:
             return have
         moving = snap._moving.get(sb.sandbox_id)
         if moving is None:
-            moving = snap._moving[sb.sandbox_id] = asyncio.ensure_future(self._move(snap, pool, sb))
-        try:
-            return await asyncio.shield(moving)
-        finally:
-            if moving.done():
-                snap._moving.pop(sb.sandbox_id, None)
+            moving = asyncio.get_running_loop().create_task(
+                self._move(snap, pool, sb), name=f"hermes-modal-tool copy {snap.snapshot_id} to {sb.sandbox_id}")
+            snap._moving[sb.sandbox_id] = moving
+            self._moves.add(moving)
+            moving.add_done_callback(functools.partial(self._moved, snap, sb.sandbox_id))
+        return await asyncio.shield(moving)
+
+    def _moved(self, snap: SlotSnapshot, sandbox_id: str, task: asyncio.Task) -> None:
+        self._moves.discard(task)
+        if snap._moving.get(sandbox_id) is task:
+            del snap._moving[sandbox_id]  # failed moves are not cached: the next fork retries
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("copy of snapshot %s to sandbox %s failed: %s",
+                        snap.snapshot_id, sandbox_id, task.exception())
 
     async def _move(self, snap: SlotSnapshot, pool: SandboxPool, sb: Sandbox) -> str:
         from . import transfer

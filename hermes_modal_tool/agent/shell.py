@@ -23,17 +23,24 @@ drops its uid between fork and exec), so it runs in a worker thread, never on th
 agent's event loop; the slot's root layer is built there too. The shell is *ready* when
 it has printed a marker after its init lines; a command's timeout clock starts when the
 command is written to a ready shell, so the time a shell takes to start never counts
-against a command. Timeouts and stopping: :mod:`.shellprocs`.
+against a command. A start is bounded (:func:`.shellprocs.start_timeout`, 60 s, from its
+turn among the starting shells): past it the call fails with an error naming the slot
+and the step that was stuck, and what it started is killed, so a call never waits for a
+shell forever. While the root is built and bwrap starts, the start holds the slot's
+``layer_lock``, which forks, snapshots and resets hold while they change the slot's
+layers. Timeouts and stopping: :mod:`.shellprocs`.
 """
 
+import asyncio
 import os
 import subprocess
+import threading
 import time
 
 from .. import protocol
 from . import isolation, rootplan
 from .output import OutputCollector, marker  # noqa: F401 - marker: re-exported for callers
-from .shellprocs import READY_TIMEOUT_S, ShellProcesses, new_nonce
+from .shellprocs import ShellProcesses, new_nonce, start_timeout
 
 # On SIGUSR1 (a timeout) return from what runs: the sourced command, or a function it
 # runs. In the loop itself there is nothing to return from (the error is silenced), so a
@@ -83,6 +90,9 @@ class Shell(ShellProcesses):
         self.started_at = 0.0
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
         self.stop_reason = None
+        self.layer = None  # the slot's root layer the shell runs on (None: no layered root)
+        self.start_phase = ""  # what the start does now (for the message when it is stuck)
+        self.spawn_tid = None  # native id of the thread that ran the last Popen
 
     @property
     def alive(self):
@@ -90,15 +100,18 @@ class Shell(ShellProcesses):
 
     @property
     def ready(self):
-        """Whether a command can be written to the shell now (it runs and has read its init)."""
-        return self.is_ready and self.alive
+        """Whether a command can be written to the shell now: it runs, has read its init,
+        and its root is the slot's layer in use (a shell left on a layer a fork or snapshot
+        replaced is stopped by the next :meth:`ensure_ready` and a new one started)."""
+        return self.is_ready and self.alive and (self.layer is None or self.layer is self.slot.root.active)
 
     # -- lifecycle ---------------------------------------------------------
     def ensure_ready(self):
         """Start the shell unless it is ready or starting; return a future of the outcome.
 
         The outcome is None once the shell is ready, else a failed ``call`` result
-        saying why it did not start (its output is what bwrap or bash printed). At most
+        saying why it did not start (its output is what bwrap or bash printed), at the
+        latest :func:`.shellprocs.start_timeout` seconds after its turn came. At most
         ``agent.spawn_limiter`` shells of the sandbox start at once (the rest wait their
         turn); ``Popen`` runs in the agent's "spawn" threads, the rest on the loop.
         """
@@ -118,24 +131,64 @@ class Shell(ShellProcesses):
                 self.close_fds()  # it died; _on_output already reaped it
                 self.proc = None
             elif self.proc is not None:
-                await self.stop()  # never became ready
+                await self.stop()  # never became ready, or runs on a layer the slot left
             async with agent.spawn_limiter:
                 if self.kill_on_start or agent.closing:
                     return protocol_result("the slot's shell was stopped before it started", 1)
                 key = ("shell", self.slot.index)
                 agent.admission.hold(key)  # a starting shell weighs like a running command
                 try:
-                    spawned = await self.loop.run_in_executor(
-                        agent.executor("spawn"), self._popen)
-                except Exception as exc:  # noqa: BLE001 - reported as the call's result
-                    return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
-                else:
-                    self._attach(*spawned)
-                    return await self._wait_ready()
+                    return await self._start_bounded(start_timeout(agent))
                 finally:
                     agent.admission.release(key)
         finally:
-            self.starting = None
+            if self.starting is asyncio.current_task():
+                self.starting = None
+
+    async def _start_bounded(self, limit):
+        """Spawn the shell and wait until it is ready, all within ``limit`` seconds (its turn
+        among the starting shells does not count); past it the call fails, never hangs."""
+        slot = self.slot
+        deadline = self.loop.time() + limit
+        self.start_phase = "waiting for a fork, snapshot or reset of the slot to change its layers"
+        self.spawn_tid = None  # set by _popen in its thread: only this start's children are killed
+        spawn = self.loop.create_task(self._spawn())
+        try:
+            done, _ = await asyncio.wait({spawn}, timeout=limit)
+        except asyncio.CancelledError:
+            spawn.cancel()
+            raise
+        if not done:
+            phase = self.start_phase
+            spawn.cancel()  # what the thread still starts is stopped when it returns
+            self.free_stuck_spawn()
+            return protocol_result(
+                "slot %d: its shell did not start within %gs (it was stuck %s); the next "
+                "command tries a new one" % (slot.index, limit, phase), 1)
+        try:
+            spawned = spawn.result()
+        except Exception as exc:  # noqa: BLE001 - reported as the call's result
+            return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
+        if spawned is None:
+            return protocol_result("the slot's shell was stopped before it started", 1)
+        self._attach(*spawned)
+        return await self._wait_ready(max(0.0, deadline - self.loop.time()), limit)
+
+    async def _spawn(self):
+        """``_popen`` in a "spawn" thread while the slot's layers stay put (a fork or
+        snapshot holds ``slot.layer_lock`` while it changes them); None when the start was
+        called off meanwhile."""
+        slot = self.slot
+        async with slot.layer_lock:
+            if self.kill_on_start or slot.agent.closing:
+                return None
+            self.start_phase = "waiting for a free spawn thread"
+            fut = self.loop.run_in_executor(slot.agent.executor("spawn"), self._popen)
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(self.discard_late_spawn)  # given up: stop what it starts
+                raise
 
     def _popen(self):
         """Start bwrap (or bash); blocking, so it runs in a worker thread."""
@@ -147,9 +200,13 @@ class Shell(ShellProcesses):
         pass_fds = ()
         info_r = info_w = None
         binds, bash = rootplan.shell_argv(agent.image_bash)  # an image's, or a static one
+        self.spawn_tid = threading.get_native_id()  # whose children a stuck start may leave
+        layer = None
         try:
             if slot.root is not None:
+                self.start_phase = "building the slot's root filesystem"
                 slot.ensure_root()  # in this thread: mounts and a fork, once per layer
+                layer = slot.root.active
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
                 argv = isolation.bwrap_root_argv(
@@ -171,6 +228,7 @@ class Shell(ShellProcesses):
             preexec = isolation.make_preexec(
                 agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
                 agent.rlimits + slot.rlimits, slot.uid, slot.gid)
+            self.start_phase = "in bwrap's start (Popen: fork, cgroups, uid drop, exec)"
             proc = subprocess.Popen(
                 argv, stdin=in_r, stdout=out_w, stderr=err_w, env=slot.env, cwd=cwd,
                 pass_fds=pass_fds, preexec_fn=preexec, close_fds=True,
@@ -186,11 +244,12 @@ class Shell(ShellProcesses):
             os.close(err_w)
             if info_w is not None:
                 os.close(info_w)
-        return proc, in_w, out_r, info_r, err_r
+        return proc, in_w, out_r, info_r, err_r, layer
 
-    def _attach(self, proc, in_w, out_r, info_r, err_r=None):
+    def _attach(self, proc, in_w, out_r, info_r, err_r, layer):
         """Take over a started shell: read its output, write its init lines and the ready marker."""
         self.proc = proc
+        self.layer = layer
         self.stdin_fd = in_w
         self.out_fd = out_r
         self.info_fd = info_r
@@ -226,7 +285,9 @@ class Shell(ShellProcesses):
         if self.kill_on_start or self.slot.agent.closing:
             self.kill()
 
-    async def _wait_ready(self):
+    async def _wait_ready(self, wait_s, limit):
+        """Wait (at most ``wait_s``) for the marker that ends the init lines; ``limit`` is
+        the whole start's bound (for the message)."""
         collector = self.ready_collector
         expired = []
 
@@ -234,7 +295,7 @@ class Shell(ShellProcesses):
             expired.append(True)
             self.kill()
 
-        timer = self.loop.call_later(READY_TIMEOUT_S, expire)
+        timer = self.loop.call_later(wait_s, expire)
         try:
             ended = await collector.wait()
         finally:
@@ -247,8 +308,12 @@ class Shell(ShellProcesses):
         text, _ = collector.text()
         status = self.exit_status
         if expired:
-            why = "it was not ready within %gs (the machine is overloaded?)" % READY_TIMEOUT_S
-        elif self.slot.agent.closing:
+            return protocol_result(
+                "slot %d: its shell did not start within %gs (bash was started but did not "
+                "finish its init lines: the machine is overloaded, or the profile's environment "
+                "(BASH_ENV) blocks it); it was killed and the next command tries a new one"
+                % (self.slot.index, limit), 1, text)
+        if self.slot.agent.closing:
             why = "the sandbox was stopped (the backend is shutting down)"
         else:
             why = "it exited with status %s" % (status,)

@@ -24,7 +24,12 @@ from .procs import slot_level, tree_usage
 
 TERM_GRACE_S = 0.5
 SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replaced
-READY_TIMEOUT_S = 60.0  # a shell not ready by then is killed and its call fails
+#: Seconds a shell may take to start once it has its turn among the starting shells
+#: (the slot's root, ``Popen`` of bwrap, bash's init lines); past them the call that
+#: waits fails with an error naming the slot and the stuck step, and what was started is
+#: killed. The init config's ``shell_start_timeout`` (seconds) overrides it: tests set it
+#: through the host's ``HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S`` (see ``sandbox.py``).
+READY_TIMEOUT_S = 60.0
 #: The header of an empty command (after its nonce): the shell only prints the end marker.
 NOOP = ":"
 
@@ -40,6 +45,36 @@ def new_nonce():
 
 
 _NONCES = []
+
+
+def kill_spawned(outer):
+    """Kill a shell's outer process (bwrap, or bash without it) and its children: stopped
+    first, so that it cannot fork one meanwhile (see ``ShellProcesses._kill_hard``)."""
+    isolation._kill(outer, signal.SIGSTOP)
+    _wait_stopped(outer)
+    for pid in isolation.children_of(outer):
+        isolation._kill(pid, signal.SIGKILL)
+    isolation._kill(outer, signal.SIGKILL)
+
+
+def _wait_stopped(pid, limit_s=1.0):
+    """Wait (a few ms; at most ``limit_s``) until ``pid`` is stopped, a zombie or gone."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
+
+
+def start_timeout(agent):
+    """The bound on a shell's start for ``agent`` (seconds; see :data:`READY_TIMEOUT_S`)."""
+    value = (agent.config or {}).get("shell_start_timeout")
+    return float(value) if value else READY_TIMEOUT_S
 
 
 class ShellProcesses:
@@ -75,6 +110,40 @@ class ShellProcesses:
             return self.proc.wait(timeout=1.0 if block else 0)
         except subprocess.TimeoutExpired:
             return None
+
+    def discard_late_spawn(self, fut):
+        """Done-callback of a ``Popen`` the start gave up on: kill and reap what it started
+        (never attached: the slot may have a new shell by now)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        proc, in_w, out_r, info_r, err_r, _ = fut.result()
+        kill_spawned(proc.pid)
+        for fd in (in_w, out_r, info_r, err_r):
+            if fd is not None:
+                os.close(fd)
+        self.loop.run_in_executor(self.slot.agent.executor("files"), proc.wait)
+
+    def free_stuck_spawn(self):
+        """Kill the child of a ``Popen`` stuck between fork and exec (in ``preexec_fn``, or
+        joining a cgroup), so that its thread returns (and :meth:`discard_late_spawn` stops
+        what it started). Only children of the spawn thread that still run the agent's own
+        executable are killed: they have not exec'd bwrap or bash yet, so no other slot's
+        shell is among them."""
+        tid = self.spawn_tid
+        if tid is None:
+            return
+        try:
+            with open("/proc/self/task/%d/children" % tid) as fh:
+                kids = [int(p) for p in fh.read().split()]
+            own = os.readlink("/proc/self/exe")
+        except OSError:
+            return
+        for pid in kids:
+            try:
+                if os.readlink("/proc/%d/exe" % pid) == own:
+                    isolation._kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def close_fds(self):
         for name in ("stdin_fd", "out_fd", "info_fd"):
@@ -188,11 +257,14 @@ class ShellProcesses:
 
     def _kill_hard(self):
         """Kill the outer bwrap, its children and the slot's cgroup (when the init is unknown
-        or does not go away)."""
-        outer = self.proc.pid
-        isolation._kill(outer, signal.SIGKILL)
-        for pid in isolation.children_of(outer):
-            isolation._kill(pid, signal.SIGKILL)
+        or does not go away).
+
+        bwrap is stopped first: killed while it sets its child up (before ``--info-fd``
+        has the child's pid), its child would wait forever for it to say "go" (an eventfd
+        bwrap writes once the uid maps are set), outside the slot's cgroup where there is
+        none (a Modal container), holding the shell's output pipe, so the shell would never
+        be seen to end. A stopped bwrap forks no more: its children are all found."""
+        kill_spawned(self.proc.pid)
         if self.slot.agent.cgroups:
             self.slot.agent.cgroups.kill_slot(self.slot.index)
 
@@ -202,7 +274,7 @@ class ShellProcesses:
         if starting is not None and starting is not asyncio.current_task():
             self.kill()  # ends a start in progress (at once, or as soon as Popen returns)
             try:
-                await asyncio.wait_for(asyncio.shield(starting), READY_TIMEOUT_S)
+                await asyncio.wait_for(asyncio.shield(starting), start_timeout(self.slot.agent) + 5.0)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
         if self.proc is None:

@@ -71,6 +71,10 @@ class SlotRuntime:
         self.ready = False  # directories are made on first use (fast sandbox start)
         self.root_built = False  # the layered root was mounted once (its standby follows)
         self._root_lock = threading.Lock()
+        #: Held while the slot's layers change (fork, snapshot, reset) and while a shell
+        #: starts on them (its root is built and bwrap binds it): a shell never starts on a
+        #: layer that is being replaced, and a layer never changes under a starting shell.
+        self.layer_lock = asyncio.Lock()
         self._pids_fd = None
         self._pids_seen = None
 
@@ -240,11 +244,12 @@ class SlotRuntime:
         # prepared too. Without a standby ready, the reset does not wait for one: the next
         # shell (started right after the reset) or file tool builds it (ensure_root).
         if drop:
-            old = self.root.discard()
-            if old is not None and old.stack is not None:
-                snapshots.store(self.agent).layer_gone(old)  # a fork's or snapshot's layer
-            self.root.swap()
-            self.agent.layer_work(self.root, old)
+            async with self.layer_lock:
+                old = self.root.discard()
+                if old is not None and old.stack is not None:
+                    snapshots.store(self.agent).layer_gone(old)  # a fork's or snapshot's layer
+                self.root.swap()
+                self.agent.layer_work(self.root, old)
 
     def fs_creds(self):
         """Context for file tools: the slot's own filesystem uid when it has a root of its own."""

@@ -223,14 +223,24 @@ async def capture_state(slot):
 
 
 async def _stop_processes(agent, slot):
+    """Stop the slot's shell and processes (waiting for a shell start in progress). Then
+    the caller takes ``slot.layer_lock``: no shell starts on the layers it changes."""
     await slot.shell.stop()
     if agent.cgroups:
         agent.cgroups.kill_slot(slot.index)
 
 
+def _drop_stray_shell(slot):
+    """Under ``slot.layer_lock``: a shell that started after :func:`_stop_processes` runs on
+    the layer being replaced; kill it (it is never used: ``Shell.ready`` checks its layer).
+    A start waiting for the lock is left alone: it starts on the new layer."""
+    if slot.shell.proc is not None:
+        slot.shell.kill()
+
+
 async def _stack(agent, slot, frozen, state):
     """Put ``slot`` on a new layer over ``frozen`` with shell state ``state``. The slot
-    is claimed and its processes are gone."""
+    is claimed, its processes are gone and the caller holds ``slot.layer_lock``."""
     frozen.users += 1
     try:
         layer = await agent.loop.run_in_executor(agent.executor("spawn"), slot.root.build_on, frozen.chain(),
@@ -271,12 +281,14 @@ async def snapshot(agent, msg):
                 "(release_snapshot) or raise snapshot_disk." % (
                     slot.index, size / 2**20, st.total_bytes() / 2**20, cap / 2**20))
         await _stop_processes(agent, slot)
-        layer = await agent.loop.run_in_executor(agent.executor("spawn"), slot.root.freeze)
-        parent = layer.stack if isinstance(layer.stack, Frozen) else None
-        frozen = st.add(layer.dir, slot.uid, parent, size, state)  # the layer's use of parent moves here
-        frozen.holds = 1
-        frozen.ws = slot.ws_path
-        await _stack(agent, slot, frozen, state)
+        async with slot.layer_lock:
+            _drop_stray_shell(slot)
+            layer = await agent.loop.run_in_executor(agent.executor("spawn"), slot.root.freeze)
+            parent = layer.stack if isinstance(layer.stack, Frozen) else None
+            frozen = st.add(layer.dir, slot.uid, parent, size, state)  # the layer's use of parent moves here
+            frozen.holds = 1
+            frozen.ws = slot.ws_path
+            await _stack(agent, slot, frozen, state)
     finally:
         slot.set_idle()
     agent.prestart(slot)
@@ -292,7 +304,9 @@ async def fork(agent, msg):
     try:
         await _stop_processes(agent, slot)
         slot.background_sids = []
-        await _stack(agent, slot, frozen, frozen.state)
+        async with slot.layer_lock:
+            _drop_stray_shell(slot)
+            await _stack(agent, slot, frozen, frozen.state)
     finally:
         slot.set_idle()
     # No shell is started here: a group of forks would start all of theirs at once, on
