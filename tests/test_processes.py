@@ -27,8 +27,11 @@ async def test_a_python_repl_on_a_pty(driver_backend):
     await proc.read_until(b"hi Ada")
     # The shell stays free for calls meanwhile.
     assert (await bash(backend, slot, "echo shell-free")).stdout == "shell-free\n"
-    await proc.write("import time; time.sleep(60)\n")
-    await proc.write("\x03")  # Ctrl-C through the terminal
+    # Ctrl-C through the terminal once the sleep runs (one typed with the line would
+    # flush it from the terminal's input queue before Python reads it).
+    await proc.write("import time; print('sl' + 'eeping'); time.sleep(60)\n")
+    await proc.read_until(b"sleeping")
+    await proc.write("\x03")
     await proc.read_until(b"KeyboardInterrupt")
     await proc.resize(50, 132)
     await proc.write("print(shutil.get_terminal_size())\n")
