@@ -1,0 +1,271 @@
+"""Starting a slot's shell (mixed into :class:`.shell.Shell`).
+
+Stdlib-only, Python 3.8.
+
+Starting: ``Popen`` of the slot's ``bwrap`` blocks for 5-10 ms (it joins cgroups and
+drops its uid between fork and exec), so it runs in a worker thread, never on the
+agent's event loop; the slot's root layer is built there too. The shell is *ready* when
+it has printed a marker after its init lines; a command's timeout clock starts when the
+command is written to a ready shell, so the time a shell takes to start never counts
+against a command. A start is bounded (:func:`.shellprocs.start_timeout`, 60 s, from its
+turn among the starting shells): past it the call fails with an error naming the slot
+and the step that was stuck, and what it started is killed, so a call never waits for a
+shell forever. While the root is built and bwrap starts, the start holds the slot's
+``layer_lock``, which forks, snapshots and resets hold while they change the slot's
+layers.
+"""
+
+import asyncio
+import os
+import subprocess
+import threading
+
+from .. import protocol
+from . import isolation, rootplan
+from .output import OutputCollector
+from .shellprocs import new_nonce, start_timeout
+
+# On SIGUSR1 (a timeout) return from what runs: the sourced command, or a function it
+# runs. In the loop itself there is nothing to return from (the error is silenced), so a
+# signal that comes just after the command ended cannot skip the end marker.
+TRAP = "trap 'return 124 2>/dev/null' USR1\n"
+INIT_LINES = "set +o history 2>/dev/null; shopt -s expand_aliases\n"
+#: The command loop (``@CTL@``: the control directory as the shell sees it). ``read``
+#: interrupted by a trapped signal returns > 128: read again; 1 is the end of stdin.
+LOOP = ("__hmt_f() { case ${__hmt_h:8:1} in n) . @CTL@/cmd </dev/null;; "
+        "s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n"
+        "readonly -f __hmt_f\n"
+        "while :; do \\builtin read -r -N 9 __hmt_h; case $? in 0) ;; 1) \\builtin exit;; "
+        "*) \\builtin continue;; esac; __hmt_n=${__hmt_h:0:8}; __hmt_f; "
+        "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"; done\n")
+#: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
+#: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
+SPAWN_THREADS = 4
+
+
+class ShellStart:
+    """Mixed into :class:`.shell.Shell`: its start (``ensure_ready`` and the steps below)."""
+
+    def ensure_ready(self):
+        """Start the shell unless it is ready or starting; return a future of the outcome.
+
+        The outcome is None once the shell is ready, else a failed ``call`` result
+        saying why it did not start (its output is what bwrap or bash printed), at the
+        latest :func:`.shellprocs.start_timeout` seconds after its turn came. At most
+        ``agent.spawn_limiter`` shells of the sandbox start at once (the rest wait their
+        turn); ``Popen`` runs in the agent's "spawn" threads, the rest on the loop.
+        """
+        if self.starting is None:
+            if self.ready:
+                fut = self.loop.create_future()
+                fut.set_result(None)
+                return fut
+            self.kill_on_start = False
+            self.starting = self.loop.create_task(self._start())
+        return self.starting
+
+    async def _start(self):
+        agent = self.slot.agent
+        try:
+            if self.proc is not None and not self.alive:
+                self.close_fds()  # it died; _on_output already reaped it
+                self.proc = None
+            elif self.proc is not None:
+                await self.stop()  # never became ready, or runs on a layer the slot left
+            async with agent.spawn_limiter:
+                if self.kill_on_start or agent.closing:
+                    return protocol_result("the slot's shell was stopped before it started", 1)
+                key = ("shell", self.slot.index)
+                agent.admission.hold(key)  # a starting shell weighs like a running command
+                try:
+                    return await self._start_bounded(start_timeout(agent))
+                finally:
+                    agent.admission.release(key)
+        finally:
+            if self.starting is asyncio.current_task():
+                self.starting = None
+
+    async def _start_bounded(self, limit):
+        """Spawn the shell and wait until it is ready, all within ``limit`` seconds (its turn
+        among the starting shells does not count); past it the call fails, never hangs."""
+        slot = self.slot
+        deadline = self.loop.time() + limit
+        self.start_phase = "waiting for a fork, snapshot or reset of the slot to change its layers"
+        self.spawn_tid = None  # set by _popen in its thread: only this start's children are killed
+        spawn = self.loop.create_task(self._spawn())
+        try:
+            done, _ = await asyncio.wait({spawn}, timeout=limit)
+        except asyncio.CancelledError:
+            spawn.cancel()
+            raise
+        if not done:
+            phase = self.start_phase
+            spawn.cancel()  # what the thread still starts is stopped when it returns
+            self.free_stuck_spawn()
+            return protocol_result(
+                "slot %d: its shell did not start within %gs (it was stuck %s); the next "
+                "command tries a new one" % (slot.index, limit, phase), 1)
+        try:
+            spawned = spawn.result()
+        except Exception as exc:  # noqa: BLE001 - reported as the call's result
+            return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
+        if spawned is None:
+            return protocol_result("the slot's shell was stopped before it started", 1)
+        self._attach(*spawned)
+        return await self._wait_ready(max(0.0, deadline - self.loop.time()), limit)
+
+    async def _spawn(self):
+        """``_popen`` in a "spawn" thread while the slot's layers stay put (a fork or
+        snapshot holds ``slot.layer_lock`` while it changes them); None when the start was
+        called off meanwhile."""
+        slot = self.slot
+        async with slot.layer_lock:
+            if self.kill_on_start or slot.agent.closing:
+                return None
+            self.start_phase = "waiting for a free spawn thread"
+            fut = self.loop.run_in_executor(slot.agent.executor("spawn"), self._popen)
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(self.discard_late_spawn)  # given up: stop what it starts
+                raise
+
+    def _popen(self):
+        """Start bwrap (or bash); blocking, so it runs in a worker thread."""
+        slot = self.slot
+        agent = slot.agent
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pass_fds = ()
+        info_r = info_w = None
+        binds, bash = rootplan.shell_argv(agent.image_bash)  # an image's, or a static one
+        self.spawn_tid = threading.get_native_id()  # whose children a stuck start may leave
+        layer = None
+        try:
+            if slot.root is not None:
+                self.start_phase = "building the slot's root filesystem"
+                slot.ensure_root()  # in this thread: mounts and a fork, once per layer
+                layer = slot.root.active
+                info_r, info_w = os.pipe()
+                pass_fds = (info_w,)
+                argv = isolation.bwrap_root_argv(
+                    agent.bwrap, slot.root.merged, slot.ctl_host, agent.network,
+                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb,
+                    agent.contain_root) + binds + bash
+                cwd = "/"
+            elif agent.isolation == "bwrap":
+                info_r, info_w = os.pipe()
+                pass_fds = (info_w,)
+                argv = isolation.bwrap_argv(
+                    agent.bwrap, slot.ws_host, slot.ws_path, slot.ctl_host, agent.network,
+                    agent.hide, "slot-%d" % slot.index, info_w, agent.tmpfs_mb,
+                    slot.tmpfs.place if slot.tmpfs else None) + bash
+                cwd = "/"
+            else:
+                argv = bash
+                cwd = slot.ws_host
+            preexec = isolation.make_preexec(
+                agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
+                agent.rlimits + slot.rlimits, slot.uid, slot.gid)
+            self.start_phase = "in bwrap's start (Popen: fork, cgroups, uid drop, exec)"
+            proc = subprocess.Popen(
+                argv, stdin=in_r, stdout=out_w, stderr=err_w, env=slot.env, cwd=cwd,
+                pass_fds=pass_fds, preexec_fn=preexec, close_fds=True,
+                start_new_session=(agent.isolation != "bwrap"))
+        except BaseException:
+            for fd in (in_w, out_r, err_r, info_r):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+            os.close(err_w)
+            if info_w is not None:
+                os.close(info_w)
+        return proc, in_w, out_r, info_r, err_r, layer
+
+    def _attach(self, proc, in_w, out_r, info_r, err_r, layer):
+        """Take over a started shell: read its output, write its init lines and the ready marker."""
+        self.proc = proc
+        self.layer = layer
+        self.stdin_fd = in_w
+        self.out_fd = out_r
+        self.info_fd = info_r
+        if info_r is not None:
+            os.set_blocking(info_r, False)
+        os.set_blocking(out_r, False)
+        self.err_fd = err_r
+        if err_r is not None:
+            os.set_blocking(err_r, False)
+            self.loop.add_reader(err_r, self._on_err)
+        self.init_pid = None
+        self.ns_link = None
+        self.bash_pid = None
+        self.is_ready = False
+        self.exit_status = None
+        self.used = False
+        self.eof = self.loop.create_future()
+        self.loop.add_reader(out_r, self._on_output)
+        nonce = new_nonce()
+        self.ready_collector = OutputCollector(nonce.encode(), 4096, self.loop)
+        start = TRAP + INIT_LINES
+        if self.slot.replay:  # a snapshot's shell state (agent/snapshots.py)
+            start += ". %s 2>/dev/null\n" % shell_quote(self.slot.replay)
+        if self.resume_dir:
+            start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
+            self.resume_dir = None
+        start += "\\builtin printf '\\036%%s 0\\036\\n' %s\n" % nonce
+        start += LOOP.replace("@CTL@", shell_quote(self.slot.ctl_path))
+        try:
+            self._write(start.encode())
+        except OSError:
+            pass  # it died at once: its output and exit status say why
+        if self.kill_on_start or self.slot.agent.closing:
+            self.kill()
+
+    async def _wait_ready(self, wait_s, limit):
+        """Wait (at most ``wait_s``) for the marker that ends the init lines; ``limit`` is
+        the whole start's bound (for the message)."""
+        collector = self.ready_collector
+        expired = []
+
+        def expire():
+            expired.append(True)
+            self.kill()
+
+        timer = self.loop.call_later(wait_s, expire)
+        try:
+            ended = await collector.wait()
+        finally:
+            timer.cancel()
+            self.ready_collector = None
+        if ended and self.alive:
+            self.is_ready = True
+            self.bash_pid = self._find_bash()
+            return None
+        text, _ = collector.text()
+        status = self.exit_status
+        if expired:
+            return protocol_result(
+                "slot %d: its shell did not start within %gs (bash was started but did not "
+                "finish its init lines: the machine is overloaded, or the profile's environment "
+                "(BASH_ENV) blocks it); it was killed and the next command tries a new one"
+                % (self.slot.index, limit), 1, text)
+        if self.slot.agent.closing:
+            why = "the sandbox was stopped (the backend is shutting down)"
+        else:
+            why = "it exited with status %s" % (status,)
+        return protocol_result("the slot's shell did not start: %s" % why,
+                               status if isinstance(status, int) and status > 0 else 1, text)
+
+
+def protocol_result(error, returncode, output=""):
+    """A failed ``call`` result (nothing of the command ran)."""
+    return protocol.call_result(output=output, error=error, returncode=returncode)
+
+
+def shell_quote(value):
+    """Single-quote a string for bash."""
+    return "'" + str(value).replace("'", "'\"'\"'") + "'"
