@@ -218,6 +218,13 @@ def render(res: dict[str, Any], quick: bool) -> str:
         add(row(f"   floor: bwrap ... true, {fl['parallel']} at a time (n={fl['n']})", f"{fl['per_s']:,.0f}", "", ""))
         add(f"      (ours / floor: {fr['shells_per_s'] / max(fl['per_s'], 1e-9):.2f}; floor failures: {fl['failed']})")
         add("")
+    if "streaming" in res:
+        from streaming import render as render_streaming
+
+        add("g. live output")
+        for line in render_streaming(res["streaming"]):
+            add("   " + line)
+        add("")
     cl = res.get("cleanup", {})
     add(f"cleanup: {'CLEAN' if cl.get('clean') else 'LEFTOVERS'} — ours: live bwrap {cl.get('our_bwrap_live')}, "
         f"descendants {cl.get('our_descendants')}, state dirs {cl.get('our_state_dirs')}, "

@@ -11,7 +11,10 @@ d. cold start: a pool with ``min_sandboxes=1`` to ready, an extra sandbox starte
 e. idle memory per live slot (``--slots``, default 1000): MemAvailable delta and the
    summed PSS of every engine process, divided by the number of slots;
 f. shells per second: the first ``true`` in 1,000 fresh slots (10 sandboxes x 100; every
-   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows.
+   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows;
+g. live output (``streaming.py``): one slot's streaming throughput against ``subprocess``
+   reading the same ``head -c 100MB /dev/zero``, and a neighbour's ``echo`` while a slot
+   of the same sandbox streams ``yes``.
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
 persistent bashes answering trivial commands in rounds (b), bwrap starts per second (f).
@@ -49,6 +52,7 @@ from typing import Any
 from hermes_modal_tool import SandboxConfig, ToolBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
+import streaming  # noqa: E402 - section g
 from _engine_render import render, summary_ms  # noqa: E402
 from _floors import bwrap_true_rate, raw_bash_echo, raw_bash_throughput  # noqa: E402
 from _peers import (  # noqa: E402 - the peers we compare with (run_all.py uses them from here)
@@ -734,6 +738,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(n_fresh, 100)))
         res["fresh"]["floor"] = timed("f. floor: bwrap true", lambda: bwrap_true_rate(
             find_bwrap(), 100 if q else 400, os.cpu_count() or 2))
+    if "g" in sections:
+        res["streaming"] = timed("g. streaming", lambda: asyncio.run(
+            streaming.measure(20 if q else 100, 100 if q else 300)))
     res["cleanup"] = wait_clean()
     res["wall_s"] = perf() - t_start
     res["cpu_log"] = CPU_LOG
@@ -747,7 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small, fast run (~15 s)")
     ap.add_argument("--slots", type=int, default=None, help="slots for the memory test (default 1000; 100 with --quick)")
     ap.add_argument("--per-sandbox", type=int, default=100, help="slots per sandbox for the memory test")
-    ap.add_argument("--sections", default="a,b,c,d,e,f", help="which sections to run (default a,b,c,d,e,f)")
+    ap.add_argument("--sections", default="a,b,c,d,e,f,g", help="which sections to run (default a,b,c,d,e,f,g)")
     ap.add_argument("--no-swerex", action="store_true", help="skip the SWE-ReX comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",

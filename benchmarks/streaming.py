@@ -71,8 +71,10 @@ def fmt(lat: list[float]) -> str:
     return f"median {statistics.median(lat) * 1e3:6.2f} ms  p99 {q[98] * 1e3:6.2f} ms  max {max(lat) * 1e3:6.2f} ms"
 
 
-async def main(args: argparse.Namespace) -> None:
-    size = args.mb * 1_000_000
+async def measure(mb: int, n_echoes: int) -> dict:
+    """Both figures in one run: ``{"mb", "rows": [(label, MB/s)], "alone": [s],
+    "under": [s], "flood_mb_s"}`` (latencies in seconds)."""
+    size = mb * 1_000_000
     config = SandboxConfig(driver="local", name="stream" + uuid.uuid4().hex[:6], slots_per_sandbox=2,
                            min_sandboxes=1, max_sandboxes=1, cpu=2.0, output_limit=50_000)
     async with ToolBackend(config) as backend:
@@ -82,7 +84,7 @@ async def main(args: argparse.Namespace) -> None:
         rows = [("subprocess reading the same command (floor)", subprocess_mb_s(size))]
         rows.append(("ours, text events", await stream_mb_s(backend, heavy, size, "text")))
         rows.append(("ours, exact bytes", await stream_mb_s(backend, heavy, size, "bytes")))
-        base = await echoes(backend, quiet, args.echoes)
+        base = await echoes(backend, quiet, n_echoes)
         streamed = [0]
         flowing = asyncio.Event()
 
@@ -96,7 +98,7 @@ async def main(args: argparse.Namespace) -> None:
         try:
             await asyncio.wait_for(flowing.wait(), 60)
             t0, before = time.perf_counter(), streamed[0]
-            under = await echoes(backend, quiet, args.echoes)
+            under = await echoes(backend, quiet, n_echoes)
             flood_mb_s = (streamed[0] - before) / 1e6 / (time.perf_counter() - t0)
         finally:
             flood.cancel()
@@ -104,14 +106,26 @@ async def main(args: argparse.Namespace) -> None:
                 await flood
             except asyncio.CancelledError:
                 pass
+    return {"mb": mb, "rows": rows, "alone": base, "under": under, "flood_mb_s": flood_mb_s}
+
+
+def render(res: dict) -> list[str]:
+    """The figures of :func:`measure` as report lines."""
+    out = [f"streaming throughput, one slot, {res['mb']} MB of `head -c /dev/zero`:"]
+    for name, mb_s in res["rows"]:
+        out.append(f"  {name:45s} {mb_s:8.1f} MB/s")
+    out.append(f"neighbour `echo hi` in the same sandbox (n={len(res['under'])}; target p99 < 50 ms):")
+    out.append(f"  {'alone (baseline)':45s} {fmt(res['alone'])}")
+    out.append(f"  {'while the other slot streams `yes`':45s} {fmt(res['under'])}  "
+               f"(the flood: ~{res['flood_mb_s']:.1f} MB/s)")
+    return out
+
+
+async def main(args: argparse.Namespace) -> None:
+    res = await measure(args.mb, args.echoes)
     info = machine()
     print(", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, dict)))
-    print(f"streaming throughput, one slot, {args.mb} MB of `head -c /dev/zero`:")
-    for name, mb_s in rows:
-        print(f"  {name:45s} {mb_s:8.1f} MB/s")
-    print(f"neighbour `echo hi` in the same sandbox (n={args.echoes}; target p99 < 50 ms):")
-    print(f"  {'alone (baseline)':45s} {fmt(base)}")
-    print(f"  {'while the other slot streams `yes`':45s} {fmt(under)}  (the flood: ~{flood_mb_s:.1f} MB/s)")
+    print("\n".join(render(res)))
 
 
 if __name__ == "__main__":
