@@ -85,7 +85,7 @@ TOOLS = (
 TOOL_ARGS = {
     "bash": {"command": ("str", True), "timeout": ("number", False), "background": ("bool", False),
              "stdin": ("str", False), "env": ("env", False), "encoding": ("output_encoding", False),
-             "pty": ("bool", False), "rows": ("int", False), "cols": ("int", False)},
+             "pty": ("bool", False), "rows": ("cells", False), "cols": ("cells", False)},
     "read_file": {"path": ("str", True), "offset": ("int", False), "limit": ("int", False),
                   "encoding": ("encoding", False)},
     "write_file": {"path": ("str", True), "content": ("str", True), "encoding": ("encoding", False),
@@ -103,6 +103,7 @@ MAX_TIMEOUT_S = 86400.0
 _KIND_WORDS = {
     "str": "a string", "number": "a positive number of seconds (at most %d)" % MAX_TIMEOUT_S,
     "int": "a whole number >= 0", "bool": "true or false",
+    "cells": "a whole number of character cells from 1 to 65535",
     "encoding": "'text' or 'base64'", "output_encoding": "'text' or 'bytes'", "env": "an object mapping variable names to strings",
 }
 
@@ -146,6 +147,8 @@ def _check_kind(kind, value):
         return None if isinstance(value, str) else True
     if kind == "bool":
         return None if isinstance(value, bool) else True
+    if kind == "cells":  # a terminal's rows or columns (a 16-bit field of the kernel's winsize)
+        return None if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else True
     if kind == "int":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else True
     if kind == "number":

@@ -49,6 +49,7 @@ BAD_BY_KIND: dict[str, list[Any]] = {
     "str": [5, 1.5, True, False, 0, [], ["a"], {}, {"a": "b"}],
     "number": ["5", "", True, False, [], {}, -1, 0, -0.0, math.nan, math.inf, -math.inf, 1e300, 10**400],
     "int": ["5", "", 1.5, True, False, [], {}, -1, -(10**30)],
+    "cells": ["24", 1.5, True, [], 0, -1, 65536, 10**20],
     "bool": ["yes", "false", "", 1, 0, 2, [], {}, [True]],
     "encoding": ["utf8", "TEXT", "hex", 5, 0, True, [], {}, ["text"]],
     "output_encoding": ["utf8", "base64", "BYTES", 5, True, [], {}, ["bytes"]],
@@ -70,6 +71,8 @@ def _valid(kind: str, key: str, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= INT_MIN.get(key, 1)
     if kind == "bool":
         return isinstance(value, bool)
+    if kind == "cells":
+        return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
     if kind == "encoding":
         return value in ("text", "base64")
     if kind == "output_encoding":
