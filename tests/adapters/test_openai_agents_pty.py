@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 from agents import Runner, set_tracing_disabled
-from agents.sandbox.errors import PtySessionNotFoundError
+from agents.sandbox.capabilities.tools.shell_tool import ExecCommandArgs, ExecCommandTool
+from agents.sandbox.errors import ExecTransportError, PtySessionNotFoundError
+from image_builder import images_for_tests
 from support import eventually, processes
 from test_openai_agents import _tool_outputs, agent_for, run_config
 
@@ -98,6 +100,22 @@ async def test_terminate_all_and_release_end_the_processes(make_backend: Any) ->
     await session.pty_exec_start("sleep 4245", yield_time_s=0.25)
     await client.delete(session)
     assert not await eventually(lambda: _sleeping("4245"), lambda alive: not alive, timeout=20)
+
+
+async def test_without_python3_exec_command_falls_back_to_one_shot(make_backend: Any, tmp_path_factory: Any,
+                                                                   tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("HERMES_MODAL_TOOL_IMAGE_CACHE", str(tmp_path / "cache"))
+    images = images_for_tests(tmp_path_factory)  # busybox only: no python3
+    client = SlotSandboxClient(await make_backend(image=images["two"]))
+    session = await client.create(options=SlotSandboxClientOptions())
+    async with session:
+        with pytest.raises(ExecTransportError) as failed:
+            await session.pty_exec_start("echo hi", tty=True)
+        assert failed.value.context["retry_safe"] is True and "python3 is not in the slot" in str(failed.value)
+        out = await ExecCommandTool(session=session).run(ExecCommandArgs(cmd="echo one-shot"))
+        assert "fell back to one-shot exec" in out and "Process exited with code 0" in out
+        assert out.endswith("Output:\nPTY transport failed before the interactive session opened; "
+                            "fell back to one-shot exec.\none-shot\n")
 
 
 def with_session_id(**fields: Any) -> Callable[[list[str]], dict[str, Any]]:
