@@ -22,7 +22,8 @@ sandbox, local bubblewrap or Modal), so many agent sessions share few sandboxes.
   it; otherwise it acquires a new slot and the SDK hydrates it from the persisted
   workspace snapshot.
 
-- PTY sessions (``supports_pty()`` is True, so the model gets ``write_stdin``):
+- PTY sessions (``supports_pty()`` is True, so the model gets ``write_stdin``;
+  ``SlotSandboxClientOptions(pty=False)`` turns them off):
   ``exec_command`` starts its command as a process of the slot beside its shell
   (``ToolBackend.start_process``; ``tty=true``: on a terminal, else on pipes with no
   stdin), returns what it printed within the yield time (sooner if it ended, with its
@@ -98,11 +99,15 @@ class SlotSandboxClientOptions(BaseSandboxClientOptions):
         profile: the profile the slot comes from (None: the backend's default).
         timeout_s: default seconds per command when the SDK gives none (None: the
             profile's ``execution_timeout_s``).
+        pty: offer PTY sessions (``supports_pty()``); False: ``exec_command`` runs
+            one-shot in the slot's shell (no process start: about 20 ms less per
+            command) and the model gets no ``write_stdin``.
     """
 
     type: Literal["hermes-slot"] = "hermes-slot"
     profile: str | None = None
     timeout_s: float | None = None
+    pty: bool = True
 
 
 class SlotSandboxSessionState(SandboxSessionState):
@@ -112,6 +117,7 @@ class SlotSandboxSessionState(SandboxSessionState):
     slot_key: str
     profile: str | None = None
     timeout_s: float | None = None
+    pty: bool = True
     slot_id: str | None = None
 
 
@@ -154,9 +160,10 @@ class SlotSandboxSession(PtyMethods, BaseSandboxSession):
         return info is not None and info["state"] != SlotState.ERROR.value
 
     def supports_pty(self) -> bool:
-        """True: ``exec_command`` runs commands as processes of the slot (see
-        :meth:`pty_exec_start`) and the model gets ``write_stdin``."""
-        return True
+        """True (unless ``SlotSandboxClientOptions.pty`` is False): ``exec_command`` runs
+        commands as processes of the slot (see :meth:`pty_exec_start`) and the model
+        gets ``write_stdin``."""
+        return self.state.pty
 
     # -- exec -------------------------------------------------------------------------
     async def _exec_internal(self, *command: str | Path, timeout: float | None = None) -> ExecResult:
@@ -287,7 +294,8 @@ class SlotSandboxClient(BaseSandboxClient[SlotSandboxClientOptions]):
         state = SlotSandboxSessionState(
             session_id=session_id, manifest=manifest,
             snapshot=resolve_snapshot(snapshot, str(session_id)),
-            slot_key=f"agents-{session_id.hex[:16]}", profile=options.profile, timeout_s=options.timeout_s)
+            slot_key=f"agents-{session_id.hex[:16]}", profile=options.profile, timeout_s=options.timeout_s,
+            pty=options.pty)
         inner = SlotSandboxSession(state=state, sessions=self.sessions)
         await inner._acquire()
         return self._wrap_session(inner, instrumentation=self._instrumentation)

@@ -102,6 +102,17 @@ async def test_terminate_all_and_release_end_the_processes(make_backend: Any) ->
     assert not await eventually(lambda: _sleeping("4245"), lambda alive: not alive, timeout=20)
 
 
+async def test_pty_sessions_can_be_turned_off(make_backend: Any) -> None:
+    client = SlotSandboxClient(await make_backend())
+    session = await client.create(options=SlotSandboxClientOptions(pty=False))
+    async with session:
+        assert not session.supports_pty()
+        out = await ExecCommandTool(session=session).run(ExecCommandArgs(cmd="echo one-shot; sleep 0.2"))
+        assert "Process exited with code 0" in out and "session ID" not in out
+        resumed = await client.resume(client.deserialize_session_state(client.serialize_session_state(session.state)))
+        assert not resumed.supports_pty()
+
+
 async def test_without_python3_exec_command_falls_back_to_one_shot(make_backend: Any, tmp_path_factory: Any,
                                                                    tmp_path: Any, monkeypatch: Any) -> None:
     monkeypatch.setenv("HERMES_MODAL_TOOL_IMAGE_CACHE", str(tmp_path / "cache"))
