@@ -22,10 +22,20 @@ sandbox, local bubblewrap or Modal), so many agent sessions share few sandboxes.
   it; otherwise it acquires a new slot and the SDK hydrates it from the persisted
   workspace snapshot.
 
-Not supported (yet): PTY sessions (``supports_pty()`` is False, so the SDK gives
-the model no ``write_stdin`` tool and runs ``exec_command`` one-shot), running as
-another user (``user=``), exposed ports, and resuming a slot from another process
-(the slot map lives in this client).
+- PTY sessions (``supports_pty()`` is True, so the model gets ``write_stdin``;
+  ``SlotSandboxClientOptions(pty=False)`` turns them off):
+  ``exec_command`` starts its command as a process of the slot beside its shell
+  (``ToolBackend.start_process``; ``tty=true``: on a terminal, else on pipes with no
+  stdin), returns what it printed within the yield time (sooner if it ended, with its
+  exit code) or a session id while it runs; ``write_stdin`` types into it (terminal
+  only, as with the SDK's other clients) or polls it. Output is read incrementally:
+  each update has what came since the last. ``pty_terminate_all`` (the SDK calls it on
+  stop and shutdown) kills them; releasing the slot kills them too. Needs ``python3``
+  in the slot; without it ``exec_command`` falls back to one-shot ``exec`` for
+  ``tty=false`` and reports the error for ``tty=true`` (see :mod:`._agents_pty`).
+
+Not supported (yet): running as another user (``user=``), exposed ports, and
+resuming a slot from another process (the slot map lives in this client).
 
 Example::
 
@@ -40,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import shlex
@@ -72,6 +83,9 @@ from hermes_modal_tool.errors import HermesModalToolError, UsageError
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import SlotState
 
+from ._agents_pty import PtyEntry, PtyMethods
+from ._agents_pty import no_user as _no_user
+
 __all__ = ["SlotSandboxClient", "SlotSandboxClientOptions", "SlotSandboxSession",
            "SlotSandboxSessionState"]
 
@@ -85,11 +99,15 @@ class SlotSandboxClientOptions(BaseSandboxClientOptions):
         profile: the profile the slot comes from (None: the backend's default).
         timeout_s: default seconds per command when the SDK gives none (None: the
             profile's ``execution_timeout_s``).
+        pty: offer PTY sessions (``supports_pty()``); False: ``exec_command`` runs
+            one-shot in the slot's shell (no process start: about 20 ms less per
+            command) and the model gets no ``write_stdin``.
     """
 
     type: Literal["hermes-slot"] = "hermes-slot"
     profile: str | None = None
     timeout_s: float | None = None
+    pty: bool = True
 
 
 class SlotSandboxSessionState(SandboxSessionState):
@@ -99,10 +117,11 @@ class SlotSandboxSessionState(SandboxSessionState):
     slot_key: str
     profile: str | None = None
     timeout_s: float | None = None
+    pty: bool = True
     slot_id: str | None = None
 
 
-class SlotSandboxSession(BaseSandboxSession):
+class SlotSandboxSession(PtyMethods, BaseSandboxSession):
     """A sandbox session on one slot (see the module docstring).
 
     Args:
@@ -115,6 +134,8 @@ class SlotSandboxSession(BaseSandboxSession):
     def __init__(self, *, state: SlotSandboxSessionState, sessions: SlotSessions) -> None:
         self.state = state
         self._sessions = sessions
+        self._pty: dict[int, PtyEntry] = {}  # the SDK's session id -> process
+        self._pty_lock = asyncio.Lock()
 
     async def _acquire(self) -> None:
         """Hold the state's slot (acquiring one when the key has none); root the
@@ -139,7 +160,10 @@ class SlotSandboxSession(BaseSandboxSession):
         return info is not None and info["state"] != SlotState.ERROR.value
 
     def supports_pty(self) -> bool:
-        return False
+        """True (unless ``SlotSandboxClientOptions.pty`` is False): ``exec_command`` runs
+        commands as processes of the slot (see :meth:`pty_exec_start`) and the model
+        gets ``write_stdin``."""
+        return self.state.pty
 
     # -- exec -------------------------------------------------------------------------
     async def _exec_internal(self, *command: str | Path, timeout: float | None = None) -> ExecResult:
@@ -270,7 +294,8 @@ class SlotSandboxClient(BaseSandboxClient[SlotSandboxClientOptions]):
         state = SlotSandboxSessionState(
             session_id=session_id, manifest=manifest,
             snapshot=resolve_snapshot(snapshot, str(session_id)),
-            slot_key=f"agents-{session_id.hex[:16]}", profile=options.profile, timeout_s=options.timeout_s)
+            slot_key=f"agents-{session_id.hex[:16]}", profile=options.profile, timeout_s=options.timeout_s,
+            pty=options.pty)
         inner = SlotSandboxSession(state=state, sessions=self.sessions)
         await inner._acquire()
         return self._wrap_session(inner, instrumentation=self._instrumentation)
@@ -311,8 +336,3 @@ def _raise_if_escape(path: Path | str, error: str) -> None:
     the SDK's error for that is InvalidManifestPathError."""
     if "outside the workspace" in error or "escapes the workspace" in error:
         raise InvalidManifestPathError(rel=str(path), reason="escape_root", context={"error": error})
-
-
-def _no_user(user: str | User | None) -> None:
-    if user is not None:
-        raise UsageError(f"running as another user ({user!r}) is not supported by slot sessions")

@@ -64,8 +64,10 @@ def main():
     send(b"p", str(pid).encode())
     buf = b""
     reading = True
+    pause = 0.001  # after the output ends, the exit is polled for at 1, 2, 4 ... 50 ms
     while True:
-        ready = select.select([sock] + ([out_fd] if reading else []), [], [], None if reading else 0.05)[0]
+        ready = select.select([sock] + ([out_fd] if reading else []), [], [], None if reading else pause)[0]
+        pause = pause if reading else min(pause * 2, 0.05)
         if out_fd in ready:
             try:
                 data = os.read(out_fd, 65536)

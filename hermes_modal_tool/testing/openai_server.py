@@ -32,7 +32,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -55,10 +55,11 @@ class ToolTurn:
     """The model calls these functions in one turn, in this order.
 
     Each call is ``(name, arguments)``: a mapping is sent as JSON, a string as it is
-    (to send malformed JSON on purpose).
+    (to send malformed JSON on purpose), a callable is given the tool results just sent
+    (a list of str) and returns the mapping (a model reading an id from a result).
     """
 
-    calls: Sequence[tuple[str, Mapping[str, Any] | str]]
+    calls: Sequence[tuple[str, Mapping[str, Any] | str | Callable[[list[str]], Mapping[str, Any]]]]
 
 
 @dataclass(frozen=True)
@@ -325,10 +326,11 @@ class FakeOpenAIServer:
             raise _BadRequest([f"the script of model {model!r} has no turn {turn}"], "messages")
         return turn, script[turn]
 
-    def _new_calls(self, turn: int, step: ToolTurn) -> list[dict[str, Any]]:
+    def _new_calls(self, turn: int, step: ToolTurn, results: list[str]) -> list[dict[str, Any]]:
         out = []
         for name, args in step.calls:
             call_id = "call_" + uuid.uuid4().hex[:24]
+            args = args(results) if callable(args) else args
             arguments = args if isinstance(args, str) else json.dumps(dict(args))
             self._calls[call_id] = {"turn": turn, "name": name, "arguments": arguments}
             out.append({"call_id": call_id, "name": name, "arguments": arguments})
@@ -356,7 +358,7 @@ class FakeOpenAIServer:
             message["tool_calls"] = [
                 {"id": c["call_id"], "type": "function",
                  "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for c in self._new_calls(turn, step)]
+                for c in self._new_calls(turn, step, tail)]
             finish = "tool_calls"
         else:
             message["content"] = step.text.replace("{last_output}", "\n".join(tail))
@@ -439,7 +441,7 @@ class FakeOpenAIServer:
         if isinstance(step, ToolTurn):
             output = [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["call_id"],
                        "name": c["name"], "arguments": c["arguments"], "status": "completed"}
-                      for c in self._new_calls(turn, step)]
+                      for c in self._new_calls(turn, step, tail)]
         else:
             text = step.text.replace("{last_output}", "\n".join(tail))
             output = [{"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed",

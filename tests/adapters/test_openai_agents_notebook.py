@@ -18,7 +18,8 @@ def check(text: str) -> None:
     assert a.split("'")[1] != b.split("'")[1]  # two runs, two slots
     assert "sandboxes: 1" in text
     assert "b'to-stdout\\n' b'to-stderr\\n' 3" in text
-    assert "supports_pty: False" in text and "running after close: False" in text
+    assert "supports_pty: True" in text and "running after close: False" in text
+    assert "REPL session: True | prompt: >>>" in text and "REPL printed: 42 | exit code: 4" in text
     assert "stopped" in text
 
 
