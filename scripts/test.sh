@@ -8,7 +8,6 @@ bash scripts/setup.sh dev    # everything the tests need
 .venv/bin/ruff check hermes_modal_tool adapters tests benchmarks
 if [ $# -eq 0 ]; then
   bash scripts/setup.sh agents  # the OpenAI Agents SDK's own environment
-  .venv-agents/bin/python -m pytest -q -p no:cacheprovider tests/adapters/test_openai_agents.py \
-    tests/adapters/test_openai_agents_notebook.py
+  .venv-agents/bin/python -m pytest -q -p no:cacheprovider tests/adapters/test_openai_agents*.py
 fi
 exec .venv/bin/python -m pytest -q "$@"
