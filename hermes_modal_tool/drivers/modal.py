@@ -38,6 +38,7 @@ from modal import exception as mexc
 from .. import agent
 from ..config import SandboxConfig
 from ..errors import CredentialsError, SandboxStartError, SecretNotFoundError
+from ..secrets import secret_dirs
 from . import _modal_sdk
 from ._modal_handle import ModalHandle
 from .base import Driver, SandboxHandle
@@ -350,7 +351,10 @@ class ModalDriver(Driver):
             "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory_mb,
                        "pids": config.pids_limit, "cpu": config.cpu},
             "output_limit": config.output_limit,
-            "hide": [],
+            # The host's secrets directories: absent from a real image, but where an image
+            # has the path (one made from this machine, the local control plane's host
+            # root) its slots must not see it (whited out, or behind a tmpfs).
+            "hide": [str(d) for d in secret_dirs()],
             "cgroups": True,
             "workdir": config.workdir,
             "filesystem": config.filesystem,

@@ -321,13 +321,14 @@ async def test_secrets_dir_and_engine_state_are_hidden(make_backend, secret_file
     assert not exists(f"{state_root}/x")
 
 
-async def test_relative_secrets_dir_is_hidden_too(make_backend, secret_file, monkeypatch):
+async def test_relative_secrets_dir_is_hidden_too(mode_backend, secret_file, monkeypatch):
     """A relative HERMES_MODAL_TOOL_SECRETS_DIR is made absolute once, so the directory the
-    engine reads is the one it hides from slots of profiles without secrets."""
+    engine reads is the one it hides from slots of profiles without secrets (on Modal too,
+    where the local control plane's containers have the host's root)."""
     sdir, value = secret_file
     monkeypatch.chdir(sdir.parent)
     monkeypatch.setenv("HERMES_MODAL_TOOL_SECRETS_DIR", sdir.name)
-    backend = await make_backend()  # this profile uses no secret
+    backend = await mode_backend()  # this profile uses no secret
     slot = await backend.acquire("t")
     r = await bash(backend, slot, f"cat {sdir}/key.env; ls -A {sdir}; grep -rs KEY= {sdir.parent}")
     assert value not in r.output and "key.env" not in r.output.replace(f"{sdir}/key.env:", "")
