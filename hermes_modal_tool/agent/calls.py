@@ -285,12 +285,7 @@ class Calls:
         # and it exists before this call returns (a later timeout will not count it).
         launcher = ("mkdir -p %s/.background || return 1\n%ssetsid bash --noprofile --norc %s "
                     "</dev/null >%s 2>&1 &\necho $!" % (_q(ws), prefix, _q(script), _q(log)))
-        cmd = slot.write_ctl("cmd", launcher.encode("utf-8", "surrogatepass") + b"\n")
-        res = await slot.shell.run(cmd, "/dev/null", {}, 10.0, 4096)
-        try:
-            pid = int(res["output"].strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            pid = None
+        res, pid = await slot.shell.run_launcher(launcher)
         if pid is None or res["returncode"] != 0:
             res["error"] = "could not start the background job: %s" % (res["error"] or res["output"])
             return res

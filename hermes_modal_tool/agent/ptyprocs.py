@@ -187,12 +187,7 @@ async def start(agent, slot, command, env, rows, cols, pty, log=None):
         launcher += ("%ssetsid python3 %s %s %d %d %d %s %s</dev/null >/dev/null 2>&1 &\necho $!" % (
             prefix, _q(helper), _q("%s/%s" % (slot.ctl_path, name)), rows, cols, 1 if pty else 0,
             _q(script), _q(log) + " " if log else ""))
-        cmd = slot.write_ctl("cmd", launcher.encode("utf-8", "surrogatepass") + b"\n")
-        res = await slot.shell.run(cmd, "/dev/null", {}, 10.0, 4096)
-        try:
-            pid = int(res["output"].strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            pid = None
+        res, pid = await slot.shell.run_launcher(launcher)
         if log and res["returncode"] == 3:
             return None
         if pid is None or res["returncode"] != 0:
