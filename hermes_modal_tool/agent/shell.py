@@ -87,12 +87,9 @@ class Shell(ShellStart, ShellProcesses):
             view = view[n:]
 
     def _on_output(self):
-        try:
-            data = os.read(self.out_fd, 65536)
-        except BlockingIOError:
+        data = _read_pipe(self.out_fd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         collector = self.collector
         if self.ready_collector is not None:
             ready = self.ready_collector
@@ -119,12 +116,9 @@ class Shell(ShellStart, ShellProcesses):
 
     def _on_err(self):
         """Stderr is readable: feed it to the running command (or the starting shell)."""
-        try:
-            data = os.read(self.err_fd, 65536)
-        except BlockingIOError:
+        data = _read_pipe(self.err_fd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:  # every writer is gone
             self.loop.remove_reader(self.err_fd)
             return
@@ -320,3 +314,14 @@ class Shell(ShellStart, ShellProcesses):
         if streams:
             result.update(streams)
         on_done(result)
+
+
+def _read_pipe(fd):
+    """What a readable pipe holds (up to 64 KiB): None when nothing after all, ``b""`` at
+    its end (or when reading failed)."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
