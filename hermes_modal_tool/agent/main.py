@@ -18,7 +18,7 @@ import signal
 import sys
 
 from .. import protocol
-from . import admission, ptyprocs, rootfs, snapshots, streaming, trees
+from . import admission, mounts, ptyprocs, rootfs, snapshots, spawner, streaming, trees
 from .calls import FILE_THREADS, STOPPED_BEFORE, Calls
 from .diskwatch import DiskWatch
 from .setup import Setup
@@ -60,6 +60,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.notices = []  # heap of (when to notice, seq, id(msg))
         self.notice_seq = itertools.count()
         self.notice_timer = None
+        self.spawner = None  # the process that starts layered-root shells (agent/spawner.py)
 
     # -- io ------------------------------------------------------------------
     def send(self, message):
@@ -366,10 +367,13 @@ class _InProtocol(asyncio.Protocol):
         self.agent.own(self.agent.shutdown())
 
 
-async def _amain(in_fd, out_fd):
+async def _amain(in_fd, out_fd, spawner_handle):
     loop = asyncio.get_event_loop()
     out_transport, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(out_fd, "wb", 0))
     agent = Agent(loop, out_transport)
+    agent.spawner = spawner_handle
+    if spawner_handle is not None:
+        mounts.use_userns_maker(spawner_handle.userns)
     await loop.connect_read_pipe(lambda: _InProtocol(agent), os.fdopen(in_fd, "rb", 0))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, lambda: agent.own(agent.shutdown()))
@@ -393,9 +397,10 @@ def main():
     os.set_inheritable(out_fd, False)
     os.umask(0o022)
     sys.setswitchinterval(0.0005)  # the loop waits less for worker threads (spawns, layers)
+    spawner_handle = spawner.start()  # now, while the agent is small and has one thread
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_amain(in_fd, out_fd))
+        loop.run_until_complete(_amain(in_fd, out_fd, spawner_handle))
     finally:
         loop.close()

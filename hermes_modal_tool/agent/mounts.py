@@ -16,6 +16,7 @@ OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 AT_FDCWD = -100
 AT_EMPTY_PATH = 0x1000
+AT_RECURSIVE = 0x8000
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
@@ -94,8 +95,27 @@ def userns_fd(uid, gid, inside=0):
     """A user namespace mapping ``inside`` -> ``uid``/``gid`` (one id), as an fd; made by a
     child. An idmapped mount made with it shows files owned by ``inside`` on disk as
     owned by ``uid``."""
+    maker = _USERNS_MAKER[0]
+    if maker is not None:
+        try:
+            return maker(uid, gid, inside)
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:
+                raise
+            _USERNS_MAKER[0] = None  # the spawner is gone: fork here
     with _USERNS_LOCK:
         return _userns_fd(uid, gid, inside)
+
+
+#: Who makes user namespaces instead of a fork of this process (see :func:`use_userns_maker`).
+_USERNS_MAKER = [None]
+
+
+def use_userns_maker(maker):
+    """Make :func:`userns_fd`'s namespaces with ``maker(uid, gid, inside) -> fd`` (the
+    agent's spawner: a fork of a small process is cheaper than one of the agent); an
+    OSError with ``EPIPE`` from it means it is gone, and this process forks again."""
+    _USERNS_MAKER[0] = maker
 
 
 #: One namespace child at a time: a child made meanwhile by another thread would inherit
@@ -149,6 +169,20 @@ def mount_idmapped(source, target, ns):
                            MOVE_MOUNT_F_EMPTY_PATH), "move_mount %s" % target)
     finally:
         os.close(tree)
+
+
+def clone_tree(path):
+    """A detached copy of the mount at ``path`` and every mount below it (``open_tree``
+    with ``OPEN_TREE_CLONE | AT_RECURSIVE``), as a close-on-exec fd for :func:`move_mount_fd`."""
+    return _check(libc().syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path),
+                                 OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE),
+                  "open_tree %s" % path)
+
+
+def move_mount_fd(tree, target):
+    """Attach the detached mount ``tree`` (from :func:`clone_tree`) at ``target``."""
+    _check(libc().syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, os.fsencode(target),
+                          MOVE_MOUNT_F_EMPTY_PATH), "move_mount %s" % target)
 
 
 def mount_overlay(lower, upper, work, target, extra=None):

@@ -21,9 +21,10 @@ import subprocess
 import threading
 
 from .. import protocol
-from . import isolation, rootplan
+from . import isolation, mounts, rootplan
 from .output import OutputCollector
 from .shellprocs import new_nonce, start_timeout
+from .spawner import FIRST_PASS_FD
 
 # On SIGUSR1 (a timeout) return from what runs: the sourced command, or a function it
 # runs. In the loop itself there is nothing to return from (the error is silenced), so a
@@ -149,11 +150,18 @@ class ShellStart:
                 layer = slot.root.active
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
+                spawner = agent.spawner if agent.spawner and not agent.spawner.broken else None
                 argv = isolation.bwrap_root_argv(
                     agent.bwrap, slot.root.merged, slot.ctl_host, agent.network,
-                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb,
-                    agent.contain_root) + binds + bash
+                    "slot-%d" % slot.index, FIRST_PASS_FD if spawner else info_w,
+                    slot.start_dir, agent.tmpfs_mb, agent.contain_root) + binds + bash
                 cwd = "/"
+                if spawner is not None:
+                    self.start_phase = "in bwrap's start (the spawner: clone, cgroups, uid drop, exec)"
+                    proc = self._spawn_root(spawner, argv, (in_r, out_w, err_w), info_w)
+                    if proc is not None:
+                        return proc, in_w, out_r, info_r, err_r, layer
+                    argv[argv.index("--info-fd") + 1] = str(info_w)  # the spawner is gone
             elif agent.isolation == "bwrap":
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
@@ -185,6 +193,27 @@ class ShellStart:
             if info_w is not None:
                 os.close(info_w)
         return proc, in_w, out_r, info_r, err_r, layer
+
+    def _spawn_root(self, spawner, argv, stdio, info_w):
+        """Start a layered-root slot's bwrap through the agent's spawner (see
+        :mod:`.spawner`): in a mount namespace holding this slot's root and the sandbox's
+        own mounts only. None when the spawner is gone (start with ``Popen`` then);
+        raises OSError when the start itself failed."""
+        slot = self.slot
+        agent = slot.agent
+        setup = {"procs_files": agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
+                 "rlimits": [(int(r), int(v)) for r, v in agent.rlimits + slot.rlimits],
+                 "uid": slot.uid, "gid": slot.gid}
+        tree = mounts.clone_tree(slot.root.merged)
+        try:
+            return spawner.spawn(argv, slot.env, "/", stdio, (info_w,), setup,
+                                 (tree, slot.root.merged))
+        except OSError:
+            if spawner.broken:
+                return None
+            raise
+        finally:
+            os.close(tree)
 
     def _attach(self, proc, in_w, out_r, info_r, err_r, layer):
         """Take over a started shell: read its output, write its init lines and the ready marker."""

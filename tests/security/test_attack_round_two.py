@@ -121,7 +121,8 @@ async def test_names_that_are_not_utf8_come_back_printable(mode_backend):
 
 def agent_pids() -> list[int]:
     """This test's agents: agent processes among this process's descendants (on Modal
-    the local control plane's container, a bwrap, is the agent's parent), not bwrap."""
+    the local control plane's container, a bwrap, is the agent's parent), not bwrap and
+    not an agent's spawner (a fork of the agent: agent/spawner.py)."""
     procs = processes()
     children: dict[int, list[int]] = {}
     for p in procs.values():
@@ -130,7 +131,9 @@ def agent_pids() -> list[int]:
     while todo:
         for pid in children.get(todo.pop(), []):
             todo.append(pid)
-            if procs[pid].is_agent and not procs[pid].is_bwrap and procs[pid].comm.startswith("python"):
+            parent = procs.get(procs[pid].ppid)
+            if (procs[pid].is_agent and not procs[pid].is_bwrap and procs[pid].comm.startswith("python")
+                    and not (parent and parent.cmdline == procs[pid].cmdline)):  # not its spawner
                 found.append(pid)
     return found
 

@@ -1,0 +1,372 @@
+"""The spawner: a small process that starts slot shells for the agent.
+
+Stdlib-only, Python 3.8 (``ctypes`` for ``clone``, ``unshare`` and ``move_mount``).
+
+Why: a shell start used to be ``Popen(bwrap ...)`` from the agent, with the uid drop,
+cgroup join, rlimits, Landlock scope and session keyring in ``preexec_fn``. That is a
+Python ``fork`` of the whole agent (40-80 MB with many slots: 4-8 ms of page-table copy
+and copy-on-write faults per start, against 0.8 ms for a ``vfork``). And bwrap, started in
+the agent's mount namespace, copied, parsed (``/proc/self/mountinfo``, about nine times
+per start) and detached every mount of every slot: with 100 slots, hundreds of overlay
+mounts, most of a start's CPU (see ``benchmarks/engine.py`` section f).
+
+How: :func:`start` forks the spawner from the agent first thing, while the agent is small
+(no slot, no thread). The spawner moves into a mount namespace of its own (a private copy
+of the sandbox's, taken before any slot mount exists) and serves requests on a
+``SOCK_SEQPACKET`` pair. For each shell it ``clone``\\ s a child with ``CLONE_PARENT``, so
+the shell is the *agent's* child (the agent waits for it as it did for ``Popen``); the
+child enters a new mount namespace of its own, attaches there the slot's root (a detached
+copy of its overlay, ``open_tree(OPEN_TREE_CLONE)``, passed as a descriptor) at the same
+path as in the agent, joins the slot's cgroups, sets rlimits, enters a new Landlock domain,
+drops to the slot's uid, joins a new session keyring and execs bwrap, which then sees a
+few dozen mounts instead of every slot's.
+
+Where the spawner cannot run (not root, no ``clone`` number for this machine, a kernel
+without ``move_mount``), :func:`start` returns None and shells start with ``Popen`` as
+before; the spawner reports the reason in ``spawner_note``.
+"""
+
+import array
+import ctypes
+import errno
+import fcntl
+import marshal
+import os
+import resource
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+from . import mounts, scopes
+
+#: ``clone(2)`` by machine (its first argument is the flags on both).
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}
+CLONE_PARENT = 0x00008000
+PR_SET_PDEATHSIG = 1
+#: The descriptor number of the first ``pass_fds`` entry in the started process (0-2 are
+#: its stdio); callers name it in the argv (bwrap's ``--info-fd``).
+FIRST_PASS_FD = 3
+#: Bound on one start inside the spawner (from clone to exec), seconds: a child stuck
+#: joining a cgroup is killed and the start fails, so the spawner never hangs.
+EXEC_TIMEOUT_S = 30.0
+_MAX_FDS = 8
+_MSG = 1 << 20
+
+
+def start():
+    """Fork the spawner; return a :class:`Spawner`, or None (with the reason in
+    ``spawner_note``) where it cannot work. Call before the agent starts threads."""
+    global spawner_note
+    number = _SYS_CLONE.get(os.uname().machine)
+    if os.geteuid() != 0 or number is None:
+        spawner_note = "not root" if number else "no clone number for %s" % os.uname().machine
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the spawner process
+        code = 1
+        try:
+            ours.close()
+            os.close(ready_r)
+            code = _serve(theirs, ready_w, number)
+        finally:
+            os._exit(code)
+    theirs.close()
+    os.close(ready_w)
+    try:
+        status = _read_all(ready_r)
+    finally:
+        os.close(ready_r)
+    if status != b"ok":
+        ours.close()
+        os.waitpid(pid, 0)
+        spawner_note = status.decode("utf-8", "replace") or "the spawner exited"
+        return None
+    spawner_note = "spawner (pid %d)" % pid
+    return Spawner(ours, pid)
+
+
+spawner_note = "not started"
+
+
+class Spawner:
+    """The agent's handle on the spawner process (thread-safe: one request at a time)."""
+
+    def __init__(self, sock, pid):
+        self.sock = sock
+        self.pid = pid
+        self.lock = threading.Lock()
+        self.broken = None  # why it stopped answering, once it did
+
+    def spawn(self, argv, env, cwd, stdio, pass_fds, setup, tree=None):
+        """Start ``argv`` (``argv[0]`` an absolute path) as a child of the agent.
+
+        ``stdio``: three descriptors for its 0, 1, 2; ``pass_fds``: descriptors it gets as
+        :data:`FIRST_PASS_FD` and up; ``setup``: dict with ``procs_files`` (cgroup files
+        to join), ``rlimits`` (``[(resource, value)]``), ``uid``/``gid`` (None: keep
+        root), ``new_session``; ``tree``: ``(fd, path)``, a detached mount attached at
+        ``path`` in the child's own mount namespace. Returns a :class:`SpawnedProcess`.
+
+        Raises OSError when the start failed (the message says which step and why) or
+        when the spawner is gone (``broken`` says why; start with ``Popen`` then).
+        """
+        fds = list(stdio) + list(pass_fds) + ([tree[0]] if tree else [])
+        msg = marshal.dumps(("start", list(argv), dict(env), cwd, len(pass_fds), dict(setup),
+                             tree[1] if tree else None))
+        (pid, error), _ = self._ask(msg, fds)
+        if error:
+            if pid:
+                SpawnedProcess(pid).wait()  # it exited before its exec: reap it
+            raise OSError(errno.ECHILD, error)
+        return SpawnedProcess(pid)
+
+    def userns(self, uid, gid, inside=0):
+        """:func:`.mounts.userns_fd` made by the spawner (its fork is cheap: it is small);
+        returns the namespace fd. Raises OSError as that does, or with ``EPIPE`` when
+        the spawner is gone."""
+        (_, error), fds = self._ask(marshal.dumps(("userns", uid, gid, inside)), [])
+        if error or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(errno.EPERM, error or "the spawner sent no namespace")
+        return fds[0]
+
+    def _ask(self, msg, fds):
+        """Send one request; return ``(reply, received fds)``."""
+        with self.lock:
+            if self.broken:
+                raise OSError(errno.EPIPE, "the spawner is gone: %s" % self.broken)
+            try:
+                if fds:
+                    self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                               array.array("i", fds))])
+                else:
+                    self.sock.send(msg)
+                self.sock.settimeout(EXEC_TIMEOUT_S + 10.0)
+                reply, got = _recv_fds(self.sock)[:2]
+            except OSError as exc:
+                self.broken = "%s" % (exc,)
+                raise OSError(errno.EPIPE, "the spawner is gone: %s" % exc) from exc
+            if not reply:
+                self.broken = "it exited"
+                raise OSError(errno.EPIPE, "the spawner is gone: it exited")
+        return marshal.loads(reply), got
+
+
+class SpawnedProcess:
+    """A child of the agent started by the spawner: the parts of ``subprocess.Popen``
+    the agent uses (``pid``, ``returncode``, ``poll``, ``wait``)."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.returncode = None
+        self._lock = threading.Lock()
+
+    def poll(self):
+        return self._try_wait(os.WNOHANG)
+
+    def _try_wait(self, flags):
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, flags)
+                except ChildProcessError:
+                    self.returncode = 255  # reaped elsewhere: unknown
+                    return self.returncode
+                if pid == self.pid:
+                    self.returncode = (-os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                                       else os.WEXITSTATUS(status))
+            return self.returncode
+
+    def wait(self, timeout=None):
+        """The exit code (negative: the signal); raises ``subprocess.TimeoutExpired``
+        after ``timeout`` seconds (None: wait as long as it runs)."""
+        if timeout is None:
+            return self._try_wait(0)
+        end = time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.05)
+        return self.returncode
+
+
+# -- the spawner process -------------------------------------------------------------
+def _read_all(fd):
+    out = b""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def _serve(sock, ready_w, number):  # pragma: no cover - runs in the spawner process
+    """The spawner's life: its own mount namespace, then one start per request."""
+    lib = mounts.libc()
+    try:
+        lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        keep = {sock.fileno(), ready_w}
+        for fd in _open_fds():
+            if fd > 2 and fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        mounts.enter_private_mount_namespace()
+        del scopes._SCOPE[:]  # a ruleset made before the fork was closed above
+        clone = ctypes.PyDLL(None, use_errno=True).syscall  # keeps the GIL over the call
+        clone.restype = ctypes.c_long
+        keyctl = scopes.keyctl()
+        enter_scope = scopes.enter_scope_fn(privileged=True)
+    except Exception as exc:  # noqa: BLE001 - reported to the agent, which falls back
+        os.write(ready_w, ("spawner: %s" % (exc,)).encode())
+        return 1
+    os.write(ready_w, b"ok")
+    os.close(ready_w)
+    while True:
+        try:
+            msg, fds, _, _ = _recv_fds(sock)
+        except OSError:
+            return 0
+        if not msg:
+            return 0
+        out_fds = []
+        try:
+            request = marshal.loads(msg)
+            if request[0] == "userns":
+                out_fds.append(mounts.userns_fd(*request[1:]))
+                reply = (0, "")
+            else:
+                reply = _start_one(request[1:], fds, clone, number, keyctl, enter_scope)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the spawner lives on
+            reply = (0, "spawner: %s: %s" % (type(exc).__name__, exc))
+        finally:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        try:
+            data = marshal.dumps(reply)
+            if out_fds:
+                sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))])
+            else:
+                sock.send(data)
+        except OSError:
+            return 0
+        finally:
+            for fd in out_fds:
+                os.close(fd)
+
+
+def _recv_fds(sock):
+    """``socket.recv_fds`` (Python 3.9+) with close-on-exec descriptors, on 3.8 too."""
+    size = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+    msg, anc, flags, addr = sock.recvmsg(_MSG, size, socket.MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - (len(data) % fds.itemsize)])
+    return msg, list(fds), flags, addr
+
+
+def _open_fds():
+    try:
+        return [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(3, 256))
+
+
+def _start_one(request, fds, clone, number, keyctl, enter_scope):  # pragma: no cover
+    argv, env, cwd, n_pass, setup, tree_at = request
+    if len(fds) != 3 + n_pass + (1 if tree_at else 0):
+        return 0, "spawner: expected %d descriptors, got %d" % (3 + n_pass, len(fds))
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    null = ctypes.c_long(0)
+    pid = clone(ctypes.c_long(number), ctypes.c_long(CLONE_PARENT | signal.SIGCHLD), null, null, null, null)
+    if pid == 0:
+        try:
+            _child(argv, env, cwd, fds, n_pass, setup, tree_at, keyctl, enter_scope)
+        except BaseException as exc:  # noqa: BLE001 - told to the agent, then exit
+            try:
+                os.write(err_w, ("%s" % (exc,)).encode("utf-8", "replace")[:4000] or b"failed")
+            finally:
+                os._exit(127)
+        os._exit(127)
+    os.close(err_w)
+    if pid < 0:
+        os.close(err_r)
+        return 0, "clone: %s" % os.strerror(ctypes.get_errno())
+    error = _exec_outcome(err_r, pid)
+    return pid, error
+
+
+def _exec_outcome(err_r, pid):  # pragma: no cover - runs in the spawner process
+    """The child's error text, or "" once it exec'd (its end of the pipe closed on exec);
+    a child that neither execs nor fails within EXEC_TIMEOUT_S is killed."""
+    out = b""
+    end = time.monotonic() + EXEC_TIMEOUT_S
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([err_r], [], [], left)[0]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                return "the start did not reach exec within %gs (killed)" % EXEC_TIMEOUT_S
+            chunk = os.read(err_r, 4096)
+            if not chunk:
+                return out.decode("utf-8", "replace")
+            out += chunk
+    finally:
+        os.close(err_r)
+
+
+def _child(argv, env, cwd, fds, n_pass, setup, tree_at, keyctl, enter_scope):  # pragma: no cover
+    """In the clone: everything ``preexec_fn`` did, then exec. Only syscalls."""
+    lib = mounts.libc()
+    if tree_at:
+        if lib.unshare(mounts.CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        mounts.move_mount_fd(fds[-1], tree_at)
+    pid = str(os.getpid())
+    for path in setup.get("procs_files") or ():
+        with open(path, "w") as fh:
+            fh.write(pid)
+    for res, value in setup.get("rlimits") or ():
+        resource.setrlimit(res, (value, value))
+    if enter_scope is not None:
+        enter_scope()
+    uid = setup.get("uid")
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(setup["gid"])
+        os.setuid(uid)
+    if keyctl is not None:
+        keyctl(scopes.KEYCTL_JOIN_SESSION_KEYRING, None)
+    if setup.get("new_session"):
+        os.setsid()
+    for sig in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):  # as Popen's restore_signals
+        if hasattr(signal, sig):
+            signal.signal(getattr(signal, sig), signal.SIG_DFL)
+    # Move every received descriptor above the targets, then onto them (dup2 clears
+    # close-on-exec on the target only; the rest close at exec).
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + n_pass) for fd in fds]
+    for target, fd in enumerate(high[:3 + n_pass]):
+        os.dup2(fd, target)
+    os.chdir(cwd)
+    os.execve(argv[0], argv, env)
+
