@@ -26,6 +26,7 @@ class Cgroups:
         self.mode = "rlimit"
         self.reason = ""
         self._bases = {}  # controller -> sandbox cgroup dir
+        self._made = set()  # slots whose cgroups exist with their limits
         try:
             self._setup()
         except OSError as exc:
@@ -97,9 +98,11 @@ class Cgroups:
         if self.mode == "rlimit":
             return []
         dirs = self._dirs(slot)
-        for d in dirs.values():
-            _mkdir(d)
-        self._apply(dirs, sandbox=False)
+        if slot not in self._made or not os.path.isdir(next(iter(dirs.values()))):
+            for d in dirs.values():  # once per slot (every shell start used to rewrite them)
+                _mkdir(d)
+            self._apply(dirs, sandbox=False)
+            self._made.add(slot)
         return [os.path.join(d, "cgroup.procs") for d in dirs.values()]
 
     def slot_pids(self, slot):
@@ -123,6 +126,7 @@ class Cgroups:
                 _kill(pid, signal.SIGKILL)
 
     def remove_slot(self, slot):
+        self._made.discard(slot)
         for d in self._dirs(slot).values():
             _rmdir(d)
 
