@@ -32,6 +32,7 @@ import errno
 import fcntl
 import marshal
 import os
+import queue
 import resource
 import select
 import signal
@@ -52,6 +53,9 @@ FIRST_PASS_FD = 3
 #: Bound on one start inside the spawner (from clone to exec), seconds: a child stuck
 #: joining a cgroup is killed and the start fails, so the spawner never hangs.
 EXEC_TIMEOUT_S = 30.0
+#: Connections to the spawner: as many starts may be under way at once (the agent's
+#: "spawn" threads, plus one for user namespaces of roots being built meanwhile).
+CHANNELS = 6
 _MAX_FDS = 8
 _MSG = 1 << 20
 
@@ -64,42 +68,49 @@ def start():
     if os.geteuid() != 0 or number is None:
         spawner_note = "not root" if number else "no clone number for %s" % os.uname().machine
         return None
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(CHANNELS)]
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the spawner process
         code = 1
         try:
-            ours.close()
+            for ours, _ in pairs:
+                ours.close()
             os.close(ready_r)
-            code = _serve(theirs, ready_w, number)
+            code = _serve([theirs for _, theirs in pairs], ready_w, number)
         finally:
             os._exit(code)
-    theirs.close()
+    for _, theirs in pairs:
+        theirs.close()
     os.close(ready_w)
     try:
         status = _read_all(ready_r)
     finally:
         os.close(ready_r)
     if status != b"ok":
-        ours.close()
+        for ours, _ in pairs:
+            ours.close()
         os.waitpid(pid, 0)
         spawner_note = status.decode("utf-8", "replace") or "the spawner exited"
         return None
     spawner_note = "spawner (pid %d)" % pid
-    return Spawner(ours, pid)
+    return Spawner([ours for ours, _ in pairs], pid)
 
 
 spawner_note = "not started"
 
 
 class Spawner:
-    """The agent's handle on the spawner process (thread-safe: one request at a time)."""
+    """The agent's handle on the spawner process: :data:`CHANNELS` connections, each
+    with at most one request in flight, so that starts from several threads overlap
+    (a start waits milliseconds in the kernel, joining cgroups, for almost no CPU)."""
 
-    def __init__(self, sock, pid):
-        self.sock = sock
+    def __init__(self, socks, pid):
+        self.channels = queue.Queue()
+        for sock in socks:
+            sock.settimeout(EXEC_TIMEOUT_S + 10.0)
+            self.channels.put(sock)
         self.pid = pid
-        self.lock = threading.Lock()
         self.broken = None  # why it stopped answering, once it did
 
     def spawn(self, argv, env, cwd, stdio, pass_fds, setup, tree=None):
@@ -136,24 +147,24 @@ class Spawner:
         return fds[0]
 
     def _ask(self, msg, fds):
-        """Send one request; return ``(reply, received fds)``."""
-        with self.lock:
-            if self.broken:
-                raise OSError(errno.EPIPE, "the spawner is gone: %s" % self.broken)
-            try:
-                if fds:
-                    self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                               array.array("i", fds))])
-                else:
-                    self.sock.send(msg)
-                self.sock.settimeout(EXEC_TIMEOUT_S + 10.0)
-                reply, got = _recv_fds(self.sock)[:2]
-            except OSError as exc:
-                self.broken = "%s" % (exc,)
-                raise OSError(errno.EPIPE, "the spawner is gone: %s" % exc) from exc
-            if not reply:
-                self.broken = "it exited"
-                raise OSError(errno.EPIPE, "the spawner is gone: it exited")
+        """Send one request on a free channel; return ``(reply, received fds)``."""
+        if self.broken:
+            raise OSError(errno.EPIPE, "the spawner is gone: %s" % self.broken)
+        sock = self.channels.get()
+        try:
+            if fds:
+                sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            else:
+                sock.send(msg)
+            reply, got = _recv_fds(sock)[:2]
+        except OSError as exc:
+            self.broken = "%s" % (exc,)
+            raise OSError(errno.EPIPE, "the spawner is gone: %s" % exc) from exc
+        finally:
+            self.channels.put(sock)
+        if not reply:
+            self.broken = "it exited"
+            raise OSError(errno.EPIPE, "the spawner is gone: it exited")
         return marshal.loads(reply), got
 
 
@@ -208,12 +219,13 @@ def _read_all(fd):
         out += chunk
 
 
-def _serve(sock, ready_w, number):  # pragma: no cover - runs in the spawner process
-    """The spawner's life: its own mount namespace, then one start per request."""
+def _serve(socks, ready_w, number):  # pragma: no cover - runs in the spawner process
+    """The spawner's life: its own mount namespace, then requests from every channel; a
+    start is answered when its child has exec'd (or failed), meanwhile others are served."""
     lib = mounts.libc()
     try:
         lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        keep = {sock.fileno(), ready_w}
+        keep = {sock.fileno() for sock in socks} | {ready_w}
         for fd in _open_fds():
             if fd > 2 and fd not in keep:
                 try:
@@ -235,40 +247,93 @@ def _serve(sock, ready_w, number):  # pragma: no cover - runs in the spawner pro
         return 1
     os.write(ready_w, b"ok")
     os.close(ready_w)
-    while True:
+    idle = {sock.fileno(): sock for sock in socks}
+    starting = {}  # error pipe fd -> [channel, pid, error bytes, deadline]
+    while idle or starting:
+        now = time.monotonic()
+        ends = [e[3] for e in starting.values() if e[3] != float("inf")]
+        wait = max(0.0, min(ends) - now) if ends else None
         try:
-            msg, fds, _, _ = _recv_fds(sock)
-        except OSError:
-            return 0
-        if not msg:
-            return 0
-        out_fds = []
-        try:
-            request = marshal.loads(msg)
-            if request[0] == "userns":
-                out_fds.append(mounts.userns_fd(*request[1:]))
-                reply = (0, "")
+            ready = select.select(list(idle) + list(starting), [], [], wait)[0]
+        except InterruptedError:
+            continue
+        for fd in ready:
+            if fd in idle:
+                sock = idle.pop(fd)
+                pending = _serve_one(sock, clone, number, keyctl, enter_scope)
+                if pending is None:
+                    idle[fd] = sock
+                elif pending is not False:
+                    starting[pending[0]] = [sock, pending[1], b"", time.monotonic() + EXEC_TIMEOUT_S]
             else:
-                reply = _start_one(request[1:], fds, clone, number, keyctl, enter_scope)
-        except Exception as exc:  # noqa: BLE001 - the request fails, the spawner lives on
-            reply = (0, "spawner: %s: %s" % (type(exc).__name__, exc))
-        finally:
-            for fd in fds:
+                entry = starting[fd]
                 try:
-                    os.close(fd)
+                    chunk = os.read(fd, 4096)
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    entry[2] += chunk
+                    continue
+                del starting[fd]
+                os.close(fd)
+                if _reply(entry[0], (entry[1], entry[2].decode("utf-8", "replace")), []):
+                    idle[entry[0].fileno()] = entry[0]
+        for entry in list(starting.values()):
+            if time.monotonic() >= entry[3]:
+                try:
+                    os.kill(entry[1], signal.SIGKILL)
                 except OSError:
                     pass
-        try:
-            data = marshal.dumps(reply)
-            if out_fds:
-                sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", out_fds))])
-            else:
-                sock.send(data)
-        except OSError:
-            return 0
-        finally:
-            for fd in out_fds:
+                entry[2] = b"the start did not reach exec within %gs (killed)" % EXEC_TIMEOUT_S
+                entry[3] = float("inf")  # its pipe closes as it dies: answered then
+    return 0
+
+
+def _serve_one(sock, clone, number, keyctl, enter_scope):  # pragma: no cover
+    """Take one request from ``sock``: None when answered, ``(error pipe, pid)`` for a
+    start under way, False when the channel is closed."""
+    try:
+        msg, fds, _, _ = _recv_fds(sock)
+    except OSError:
+        return False
+    if not msg:
+        return False
+    out_fds = []
+    try:
+        request = marshal.loads(msg)
+        if request[0] == "userns":
+            out_fds.append(mounts.userns_fd(*request[1:]))
+            reply = (0, "")
+        else:
+            started = _start_one(request[1:], fds, clone, number, keyctl, enter_scope)
+            if isinstance(started[1], int):
+                return started  # answered once the child has exec'd
+            reply = started
+    except Exception as exc:  # noqa: BLE001 - the request fails, the spawner lives on
+        reply = (0, "spawner: %s: %s" % (type(exc).__name__, exc))
+    finally:
+        for fd in fds:
+            try:
                 os.close(fd)
+            except OSError:
+                pass
+    try:
+        return None if _reply(sock, reply, out_fds) else False
+    finally:
+        for fd in out_fds:
+            os.close(fd)
+
+
+def _reply(sock, reply, fds):  # pragma: no cover - runs in the spawner process
+    data = marshal.dumps(reply)
+    try:
+        if fds:
+            sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            sock.send(data)
+        return True
+    except OSError:
+        return False
 
 
 def _recv_fds(sock):
@@ -290,6 +355,8 @@ def _open_fds():
 
 
 def _start_one(request, fds, clone, number, keyctl, enter_scope):  # pragma: no cover
+    """Clone the child for a start; ``(error pipe, pid)`` (the pipe's end in the child
+    closes at exec or carries its error), or ``(0, error text)``."""
     argv, env, cwd, n_pass, setup, tree_at = request
     if len(fds) != 3 + n_pass + (1 if tree_at else 0):
         return 0, "spawner: expected %d descriptors, got %d" % (3 + n_pass, len(fds))
@@ -309,30 +376,7 @@ def _start_one(request, fds, clone, number, keyctl, enter_scope):  # pragma: no 
     if pid < 0:
         os.close(err_r)
         return 0, "clone: %s" % os.strerror(ctypes.get_errno())
-    error = _exec_outcome(err_r, pid)
-    return pid, error
-
-
-def _exec_outcome(err_r, pid):  # pragma: no cover - runs in the spawner process
-    """The child's error text, or "" once it exec'd (its end of the pipe closed on exec);
-    a child that neither execs nor fails within EXEC_TIMEOUT_S is killed."""
-    out = b""
-    end = time.monotonic() + EXEC_TIMEOUT_S
-    try:
-        while True:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([err_r], [], [], left)[0]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                return "the start did not reach exec within %gs (killed)" % EXEC_TIMEOUT_S
-            chunk = os.read(err_r, 4096)
-            if not chunk:
-                return out.decode("utf-8", "replace")
-            out += chunk
-    finally:
-        os.close(err_r)
+    return err_r, pid
 
 
 def _child(argv, env, cwd, fds, n_pass, setup, tree_at, keyctl, enter_scope):  # pragma: no cover
