@@ -2,9 +2,12 @@
 
 Stdlib-only, Python 3.8.
 
-Starting: ``Popen`` of the slot's ``bwrap`` blocks for 5-10 ms (it joins cgroups and
-drops its uid between fork and exec), so it runs in a worker thread, never on the
-agent's event loop; the slot's root layer is built there too. The shell is *ready* when
+Starting: a slot with a layered root has its ``bwrap`` cloned by the agent's spawner
+(:mod:`.spawner`: a small process in a mount namespace without the other slots' roots,
+which joins cgroups and drops the uid between clone and exec); other slots, and all of
+them when the spawner is gone, start with ``Popen`` (the same steps in ``preexec_fn``).
+Either blocks for milliseconds, so it runs in a worker thread, never on the agent's
+event loop; the slot's root layer is built there too. The shell is *ready* when
 it has printed a marker after its init lines; a command's timeout clock starts when the
 command is written to a ready shell, so the time a shell takes to start never counts
 against a command. A start is bounded (:func:`.shellprocs.start_timeout`, 60 s, from its

@@ -40,7 +40,9 @@ class SlotRuntime:
             self.root = rootfs.SlotRoot(
                 os.path.join(agent.state_dir, "fs", "slot_%d" % index),
                 os.path.join(agent.state_dir, "mnt", "slot_%d" % index), self.uid, self.gid,
-                agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir],
+                # The control directory's mount point too: else bwrap makes it in every
+                # tenant's layer (a copy-up of /run and a directory on disk per shell start).
+                agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir, isolation.CTL_PATH],
                 os.path.join(agent.template_dir, "slot_%d" % index))
             if "HOME" not in agent.config.get("env", {}):
                 self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
