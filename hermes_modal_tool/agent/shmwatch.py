@@ -1,0 +1,239 @@
+"""Memory-backed shared places, watched against each slot's memory share.
+
+Stdlib-only, Python 3.8. Slots without bubblewrap (each its own uid, no mount namespace)
+write to the sandbox's shared ``/tmp``, ``/var/tmp`` and ``/dev/shm``. Those of them
+that are tmpfs (``statfs``, checked once per sandbox; on Modal at least ``/dev/shm``)
+hold memory the neighbours need, so what a slot's uid owns there counts against its
+memory share: ``slot_memory``, by default ``memory / slots_per_sandbox``.
+
+It is a watch, as :mod:`.diskwatch` (the file systems have no quotas; memory cgroups
+are absent in Modal's containers): one task of the agent measures, every
+:data:`~.diskwatch.DISK_WATCH_S`, in one worker thread (never on the event loop), what
+each slot in use (a call ran since its last reset: its commands, background jobs and
+processes alike, also after the command that started them returned) owns in those
+places; each bash command is measured once more when it ends, before its result goes
+out. Past the share, every process of the slot's uid is killed and what it owns in those
+places removed; the running command's result (else the slot's next one) says so. A
+burst between two checks can exceed the share briefly (a tmpfs fills at several GB/s).
+Files that were deleted while still open are not seen (their memory is freed when the
+slot's processes end: a release, or the next enforcement).
+"""
+
+import asyncio
+import ctypes
+import os
+import stat
+import struct
+
+from . import isolation, mounts, trees
+from .diskwatch import DISK_WATCH_S, SHARED_PLACES
+
+TMPFS_MAGIC = 0x01021994
+_MIB = 1048576.0
+_HOW = {"running": "the command was stopped", "ended": "seen when the command ended",
+        "background": "written by a process of the slot after its command had returned"}
+
+
+def memory_backed(places=SHARED_PLACES):
+    """Those of ``places`` that are tmpfs (``statfs``), each file system once."""
+    libc = mounts.libc()
+    found, devs = [], set()
+    for place in places:
+        buf = ctypes.create_string_buffer(256)  # struct statfs: f_type (a long) comes first
+        if libc.statfs(os.fsencode(place), buf) != 0:
+            continue
+        if struct.unpack_from("l", buf.raw)[0] != TMPFS_MAGIC:
+            continue
+        try:
+            dev = os.stat(place).st_dev
+        except OSError:
+            continue
+        if dev not in devs:
+            devs.add(dev)
+            found.append(place)
+    return found
+
+
+def share_of(limits, slots):
+    """``(MiB, where it came from)`` of a slot's memory share, or ``(None, "")``."""
+    mem = limits.get("slot_memory_mb")
+    sandbox = limits.get("memory_mb")
+    if not mem:
+        return None, ""
+    if sandbox and slots and int(mem) == max(64, int(sandbox) // int(slots)):
+        return int(mem), "slot_memory, by default memory / slots_per_sandbox = %d MiB / %d" % (
+            sandbox, slots)
+    return int(mem), "slot_memory"
+
+
+def owned_bytes(uids, places):
+    """``{uid: {place: bytes}}``: what each of ``uids`` owns (blocks) under each of
+    ``places``, each inode once. Only directories a slot could write to are entered
+    (owned by one of ``uids``, or writable by group or others): not the agent's own.
+    Walked as :func:`.diskwatch.uid_usage_bytes` (``trees.walk_tree``). Blocking."""
+    usage = {uid: {} for uid in uids}
+    seen = set()
+    for place in places:
+        def visit(fd, name, st, place=place):
+            mine = usage.get(st.st_uid)
+            if mine is not None and (st.st_dev, st.st_ino) not in seen:
+                if st.st_nlink > 1:
+                    seen.add((st.st_dev, st.st_ino))
+                mine[place] = mine.get(place, 0) + st.st_blocks * 512
+            return stat.S_ISDIR(st.st_mode) and (mine is not None or bool(st.st_mode & 0o022))
+        try:
+            fd = os.open(place, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            trees.walk_tree(fd, visit)
+        except OSError:
+            pass
+    return usage
+
+
+def purge(uid, places):
+    """Kill every process of ``uid``, then remove what it owns under ``places``, however
+    deep (its own directories with all they hold). Blocking."""
+    isolation.purge_uid(uid, places)  # its processes, and what it owns at the top
+    for place in places:
+        def visit(fd, name, st):
+            if st.st_uid == uid:
+                if stat.S_ISDIR(st.st_mode):
+                    trees.remove_at(fd, name)
+                else:
+                    try:
+                        os.unlink(name, dir_fd=fd)
+                    except OSError:
+                        pass
+                return False
+            return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & 0o022)
+        try:
+            fd = os.open(place, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            trees.walk_tree(fd, visit)
+        except OSError:
+            pass
+
+
+class ShmWatch:
+    """The watch of one agent (see the module doc).
+
+    Args:
+        agent: the agent (``loop``, ``slots``, ``closing``, ``executor``, ``own``).
+        places: the memory-backed shared places (:func:`memory_backed`).
+        mib, source: the share per slot (MiB) and where it came from (:func:`share_of`).
+    """
+
+    def __init__(self, agent, places, mib, source):
+        self.agent = agent
+        self.places = list(places)
+        self.mib = mib
+        self.source = source
+        self.hits = {}  # slot index -> the message its next bash result carries
+
+    def caps(self):
+        """What status shows (``caps["tmpfs"]`` of a slot without bubblewrap)."""
+        return {"mib": self.mib, "places": list(self.places), "source": self.source,
+                "enforced": "watched: what the slot's uid owns in %s (memory-backed, shared by "
+                            "the sandbox's slots) counts against its memory share (%s); measured "
+                            "every %gs while the slot is in use (its commands and the processes "
+                            "they left) and when each command ends; past it the slot's processes "
+                            "are stopped and its files there removed, and the result says so"
+                            % (", ".join(self.places), self.source, DISK_WATCH_S)}
+
+    def start(self):
+        self.agent.own(self._watch())
+
+    def _measure(self, slots):
+        uids = [s.uid for s in slots]
+        return self.agent.loop.run_in_executor(
+            self.agent.executor("shm"), owned_bytes, uids, self.places)
+
+    def _over(self, per_place):
+        return sum(per_place.values()) > self.mib * 1024 * 1024
+
+    async def _watch(self):
+        while not self.agent.closing:
+            await asyncio.sleep(DISK_WATCH_S)
+            slots = [s for s in self.agent.slots.values() if s.dirty and s.uid is not None]
+            if not slots:
+                continue
+            usage = await self._measure(slots)
+            for slot in slots:
+                # A slot reset meanwhile (dirty cleared) was purged by its reset already.
+                if slot.dirty and self._over(usage[slot.uid]):
+                    how = "running" if slot.shell.collector is not None else "background"
+                    await self._enforce(slot, usage[slot.uid], how)
+
+    async def _enforce(self, slot, per_place, how):
+        message = self.message(per_place, how)
+        self.hits[slot.index] = message
+        if how == "running":
+            slot.shell.cancel(message)
+        await self.agent.loop.run_in_executor(
+            self.agent.executor("shm"), purge, slot.uid, self.places)
+
+    def message(self, per_place, how):
+        """The error a result carries once a slot went past its share; ``how``: its
+        command was ``"running"``, had ``"ended"``, or a ``"background"`` process wrote."""
+        where = ", ".join("%s %.1f MiB" % (p, b / _MIB) for p, b in sorted(per_place.items()) if b)
+        return ("the slot's memory limit (its share: %d MiB, from %s) was exceeded by what it "
+                "holds in the sandbox's memory-backed shared places: %.1f MiB (%s); %s; every "
+                "process of the slot was stopped and its files there were removed"
+                % (self.mib, self.source, sum(per_place.values()) / _MIB, where,
+                   _HOW[how]))
+
+    def checked(self, slot, done):
+        """Wrap a bash call's ``done``: measure the slot once more before the result goes
+        out (enforcing the share), and say so when it went past it, now or since its last
+        bash result."""
+        agent = self.agent
+
+        def finish(result):
+            if agent.closing:
+                done(result)
+                return
+
+            async def measure_then_done():
+                try:
+                    usage = await self._measure([slot])
+                    if self._over(usage[slot.uid]):
+                        await self._enforce(slot, usage[slot.uid], "ended")
+                except asyncio.CancelledError:  # the agent stops: answer as it is
+                    done(result)
+                    raise
+                except Exception:  # noqa: BLE001 - a failed measurement changes nothing
+                    pass
+                message = self.hits.pop(slot.index, None)
+                if message is not None:
+                    result["error"] = message
+                    if result.get("returncode") in (0, None):
+                        result["returncode"] = 1
+                    data = result.get("data")
+                    if isinstance(data, dict):
+                        data.setdefault("limits_hit", []).append("memory")
+                done(result)
+
+            agent.own(measure_then_done())
+        return finish
+
+
+def plan(agent, limits, slots):
+    """``(ShmWatch, "")``, or ``(None, why)``: slots run with bubblewrap (their places are
+    their own capped tmpfs), have no uid of their own, or nothing needs it."""
+    if agent.isolation == "bwrap":
+        return None, "slots run with bubblewrap"
+    if agent.uid_base is None:
+        return None, ("slots share the agent's uid (it is not root), so what each wrote "
+                      "to the sandbox's /tmp, /var/tmp and /dev/shm cannot be told apart")
+    mib, source = share_of(limits, slots)
+    if not mib:
+        return None, "no memory limit to share"
+    places = memory_backed()
+    if not places:
+        return None, ("none needed: none of %s is memory-backed here (slot_disk caps what "
+                      "a slot writes there when set)" % ", ".join(SHARED_PLACES))
+    return ShmWatch(agent, places, mib, source), ""
