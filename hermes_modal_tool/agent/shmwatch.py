@@ -133,6 +133,7 @@ class ShmWatch:
         self.mib = mib
         self.source = source
         self.hits = {}  # slot index -> the message its next bash result carries
+        self.epochs = {}  # slot index -> how many resets it had (a new tenant each)
 
     def caps(self):
         """What status shows (``caps["tmpfs"]`` of a slot without bubblewrap)."""
@@ -146,6 +147,12 @@ class ShmWatch:
 
     def start(self):
         self.agent.own(self._watch())
+
+    def reset(self, slot):
+        """``slot`` is being reset (its release purges its uid): forget its tenant's hit
+        and make a measurement taken before void."""
+        self.hits.pop(slot.index, None)
+        self.epochs[slot.index] = self.epochs.get(slot.index, 0) + 1
 
     def _measure(self, slots):
         uids = [s.uid for s in slots]
@@ -161,10 +168,11 @@ class ShmWatch:
             slots = [s for s in self.agent.slots.values() if s.dirty and s.uid is not None]
             if not slots:
                 continue
+            epochs = {s.index: self.epochs.get(s.index, 0) for s in slots}
             usage = await self._measure(slots)
             for slot in slots:
-                # A slot reset meanwhile (dirty cleared) was purged by its reset already.
-                if slot.dirty and self._over(usage[slot.uid]):
+                # A slot reset meanwhile was purged by its reset (maybe a new tenant now).
+                if epochs[slot.index] == self.epochs.get(slot.index, 0) and self._over(usage[slot.uid]):
                     how = "running" if slot.shell.collector is not None else "background"
                     await self._enforce(slot, usage[slot.uid], how)
 
@@ -199,8 +207,9 @@ class ShmWatch:
 
             async def measure_then_done():
                 try:
+                    epoch = self.epochs.get(slot.index, 0)
                     usage = await self._measure([slot])
-                    if self._over(usage[slot.uid]):
+                    if epoch == self.epochs.get(slot.index, 0) and self._over(usage[slot.uid]):
                         await self._enforce(slot, usage[slot.uid], "ended")
                 except asyncio.CancelledError:  # the agent stops: answer as it is
                     done(result)
