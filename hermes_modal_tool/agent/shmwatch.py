@@ -30,8 +30,13 @@ from .diskwatch import DISK_WATCH_S, SHARED_PLACES
 
 TMPFS_MAGIC = 0x01021994
 _MIB = 1048576.0
-_HOW = {"running": "the command was stopped", "ended": "seen when the command ended",
-        "background": "written by a process of the slot after its command had returned"}
+_HOW = {"running": "while the command ran; every process of the slot (the command too) was "
+                   "stopped and its files there were removed",
+        "ended": "seen when the command ended; every process of the slot was stopped and its "
+                 "files there were removed",
+        "background": "written by a process of the slot after its command had returned; every "
+                      "process of the slot was stopped and its files there were removed, so "
+                      "this command ran in a new shell (cwd, variables and jobs were lost)"}
 
 
 def memory_backed(places=SHARED_PLACES):
@@ -189,8 +194,7 @@ class ShmWatch:
         command was ``"running"``, had ``"ended"``, or a ``"background"`` process wrote."""
         where = ", ".join("%s %.1f MiB" % (p, b / _MIB) for p, b in sorted(per_place.items()) if b)
         return ("the slot's memory limit (its share: %d MiB, from %s) was exceeded by what it "
-                "holds in the sandbox's memory-backed shared places: %.1f MiB (%s); %s; every "
-                "process of the slot was stopped and its files there were removed"
+                "holds in the sandbox's memory-backed shared places: %.1f MiB (%s) %s"
                 % (self.mib, self.source, sum(per_place.values()) / _MIB, where,
                    _HOW[how]))
 
