@@ -71,12 +71,14 @@ def share_of(limits, slots):
     return int(mem), "slot_memory"
 
 
-def owned_bytes(uids, places):
+def owned_bytes(uids, places, slot_uids=()):
     """``{uid: {place: bytes}}``: what each of ``uids`` owns (blocks) under each of
     ``places``, each inode once. Only directories a slot could write to are entered
-    (owned by one of ``uids``, or writable by group or others): not the agent's own.
-    Walked as :func:`.diskwatch.uid_usage_bytes` (``trees.walk_tree``). Blocking."""
+    (owned by one of ``uids`` or ``slot_uids``, or writable by group or others): not the
+    agent's own. Walked as :func:`.diskwatch.uid_usage_bytes` (``trees.walk_tree``).
+    Blocking."""
     usage = {uid: {} for uid in uids}
+    enter = set(uids) | set(slot_uids)
     seen = set()
     for place in places:
         def visit(fd, name, st, place=place):
@@ -85,7 +87,7 @@ def owned_bytes(uids, places):
                 if st.st_nlink > 1:
                     seen.add((st.st_dev, st.st_ino))
                 mine[place] = mine.get(place, 0) + st.st_blocks * 512
-            return stat.S_ISDIR(st.st_mode) and (mine is not None or bool(st.st_mode & 0o022))
+            return stat.S_ISDIR(st.st_mode) and (st.st_uid in enter or bool(st.st_mode & 0o022))
         try:
             fd = os.open(place, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -97,9 +99,10 @@ def owned_bytes(uids, places):
     return usage
 
 
-def purge(uid, places):
+def purge(uid, places, slot_uids=()):
     """Kill every process of ``uid``, then remove what it owns under ``places``, however
-    deep (its own directories with all they hold). Blocking."""
+    deep (its own directories with all they hold; other directories entered as by
+    :func:`owned_bytes`). Blocking."""
     isolation.purge_uid(uid, places)  # its processes, and what it owns at the top
     for place in places:
         def visit(fd, name, st):
@@ -112,7 +115,7 @@ def purge(uid, places):
                     except OSError:
                         pass
                 return False
-            return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & 0o022)
+            return stat.S_ISDIR(st.st_mode) and (st.st_uid in slot_uids or bool(st.st_mode & 0o022))
         try:
             fd = os.open(place, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -162,7 +165,10 @@ class ShmWatch:
     def _measure(self, slots):
         uids = [s.uid for s in slots]
         return self.agent.loop.run_in_executor(
-            self.agent.executor("shm"), owned_bytes, uids, self.places)
+            self.agent.executor("shm"), owned_bytes, uids, self.places, self.slot_uids())
+
+    def slot_uids(self):
+        return frozenset(s.uid for s in self.agent.slots.values() if s.uid is not None)
 
     def _over(self, per_place):
         return sum(per_place.values()) > self.mib * 1024 * 1024
@@ -187,7 +193,7 @@ class ShmWatch:
         if how == "running":
             slot.shell.cancel(message)
         await self.agent.loop.run_in_executor(
-            self.agent.executor("shm"), purge, slot.uid, self.places)
+            self.agent.executor("shm"), purge, slot.uid, self.places, self.slot_uids())
 
     def message(self, per_place, how):
         """The error a result carries once a slot went past its share; ``how``: its
