@@ -24,6 +24,7 @@ import ctypes
 import os
 import stat
 import struct
+import sys
 
 from . import isolation, mounts, trees
 from .diskwatch import DISK_WATCH_S, SHARED_PLACES
@@ -99,6 +100,70 @@ def owned_bytes(uids, places, slot_uids=()):
     return usage
 
 
+def used_bytes(places):
+    """What the file systems of ``places`` hold in all (``statvfs``), bytes."""
+    total = 0
+    for place in places:
+        try:
+            st = os.statvfs(place)
+        except OSError:
+            continue
+        total += (st.f_blocks - st.f_bfree) * st.f_frsize
+    return total
+
+
+def open_deleted_bytes(uids, places):
+    """``{uid: bytes}``: files of ``places``' file systems that were deleted but are still
+    open or mapped by a process of one of ``uids`` (``/proc/<pid>/fd`` and ``map_files``),
+    each inode once: memory no walk sees. Blocking; needs root to read other uids'."""
+    devs = set()
+    for place in places:
+        try:
+            devs.add(os.stat(place).st_dev)
+        except OSError:
+            pass
+    usage, seen = {}, set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return usage
+    for pid in pids:
+        try:
+            if os.stat("/proc/" + pid).st_uid not in uids:
+                continue
+        except OSError:
+            continue
+        for sub in ("fd", "map_files"):
+            base = "/proc/%s/%s/" % (pid, sub)
+            try:
+                names = os.listdir(base)
+            except OSError:
+                continue
+            for name in names:
+                try:
+                    st = os.stat(base + name)  # the open file itself, even deleted
+                except OSError:
+                    continue
+                key = (st.st_dev, st.st_ino)
+                if st.st_dev in devs and st.st_nlink == 0 and key not in seen:
+                    seen.add(key)
+                    usage[st.st_uid] = usage.get(st.st_uid, 0) + st.st_blocks * 512
+    return usage
+
+
+def measure(uids, places, slot_uids, share):
+    """``{uid: {place: bytes}}`` as :func:`owned_bytes`, plus ``"(deleted, still open)"``
+    (:func:`open_deleted_bytes`). When the places hold no more than ``share`` bytes in
+    all (``statvfs``, O(1)) no slot can be past it and nothing is walked."""
+    if used_bytes(places) <= share:
+        return {uid: {} for uid in uids}
+    usage = owned_bytes(uids, places, slot_uids)
+    for uid, n in open_deleted_bytes(set(uids), places).items():
+        if n and uid in usage:
+            usage[uid]["(deleted, still open)"] = n
+    return usage
+
+
 def purge(uid, places, slot_uids=()):
     """Kill every process of ``uid``, then remove what it owns under ``places``, however
     deep (its own directories with all they hold; other directories entered as by
@@ -165,7 +230,8 @@ class ShmWatch:
     def _measure(self, slots):
         uids = [s.uid for s in slots]
         return self.agent.loop.run_in_executor(
-            self.agent.executor("shm"), owned_bytes, uids, self.places, self.slot_uids())
+            self.agent.executor("shm"), measure, uids, self.places, self.slot_uids(),
+            self.mib * 1024 * 1024)
 
     def slot_uids(self):
         return frozenset(s.uid for s in self.agent.slots.values() if s.uid is not None)
@@ -179,13 +245,20 @@ class ShmWatch:
             slots = [s for s in self.agent.slots.values() if s.dirty and s.uid is not None]
             if not slots:
                 continue
-            epochs = {s.index: self.epochs.get(s.index, 0) for s in slots}
-            usage = await self._measure(slots)
-            for slot in slots:
-                # A slot reset meanwhile was purged by its reset (maybe a new tenant now).
-                if epochs[slot.index] == self.epochs.get(slot.index, 0) and self._over(usage[slot.uid]):
-                    how = "running" if slot.shell.collector is not None else "background"
-                    await self._enforce(slot, usage[slot.uid], how)
+            try:
+                await self._tick(slots)
+            except Exception as exc:  # noqa: BLE001 - the watch must go on
+                sys.stderr.write("hermes-modal-tool agent: shm watch: %s: %s\n"
+                                 % (type(exc).__name__, exc))
+
+    async def _tick(self, slots):
+        epochs = {s.index: self.epochs.get(s.index, 0) for s in slots}
+        usage = await self._measure(slots)
+        for slot in slots:
+            # A slot reset meanwhile was purged by its reset (maybe a new tenant now).
+            if epochs[slot.index] == self.epochs.get(slot.index, 0) and self._over(usage[slot.uid]):
+                how = "running" if slot.shell.collector is not None else "background"
+                await self._enforce(slot, usage[slot.uid], how)
 
     async def _enforce(self, slot, per_place, how):
         message = self.message(per_place, how)

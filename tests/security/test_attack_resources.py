@@ -207,7 +207,16 @@ async def test_default_slot_memory_is_a_fair_share(mode_backend, filesystem):
         assert not left, left
 
 
-async def test_a_process_filling_dev_shm_after_its_command_returned_is_held(mode_backend):
+#: A process of the slot that outlives its command and fills ``/dev/shm`` a second later:
+#: a file, or one deleted while still open (no walk of the directories sees it).
+LATE_FILLERS = {
+    "file": "head -c 400M /dev/zero > /dev/shm/bg",
+    "deleted-open": "exec 3> /dev/shm/bg; rm /dev/shm/bg; head -c 400M /dev/zero >&3",
+}
+
+
+@pytest.mark.parametrize("filler", list(LATE_FILLERS))
+async def test_a_process_filling_dev_shm_after_its_command_returned_is_held(mode_backend, filler):
     """A slot's process that outlives its command (``setsid``) and fills ``/dev/shm``
     later cannot take its neighbour's memory: with bwrap it fills its own capped tmpfs;
     without (the sandbox's shared ``/dev/shm``) the watch, which runs while the slot is
@@ -217,15 +226,15 @@ async def test_a_process_filling_dev_shm_after_its_command_returned_is_held(mode
     caps = backend.get_status()["pools"][backend.default_profile]["caps"]
     nobwrap = mode_backend.mode == "modal-nobwrap"
     hog, neighbour = await backend.acquire("hog"), await backend.acquire("neighbour")
-    r = await bash(backend, hog, "setsid -f sh -c 'sleep 1; head -c 400M /dev/zero > /dev/shm/bg; "
-                                 "sleep 120' > /dev/null 2>&1; echo started")
+    r = await bash(backend, hog, f"setsid -f sh -c 'sleep 1; {LATE_FILLERS[filler]}; sleep 120' "
+                                 "> /dev/null 2>&1; echo started")
     assert r.output == "started\n", (r.output, r.error)
-    if nobwrap:
+    if nobwrap and filler == "file":
         left = mode_backend.view.host_path(backend, "/dev/shm") / "bg"
         assert await settle(left.exists, 5)  # written, then found and removed
         assert await settle(lambda: not left.exists(), 5), left
     else:
-        await asyncio.sleep(3)
+        await asyncio.sleep(3.5)
     own = 200 if nobwrap else caps["tmpfs"]["mib"] - 16
     r = await bash(backend, neighbour, f"head -c {own}M /dev/zero > /dev/shm/mine && "
                                        "du -m /dev/shm/mine | cut -f1; rm -f /dev/shm/mine")
@@ -233,6 +242,7 @@ async def test_a_process_filling_dev_shm_after_its_command_returned_is_held(mode
     r = await bash(backend, hog, "pgrep -u $(id -u) -f 'sleep 120' >/dev/null || echo gone; " + OWNED_IN_SHM)
     if nobwrap:
         assert "memory limit" in r.error and "after its command had returned" in r.error, r.error
+        assert ("(deleted, still open)" in r.error) == (filler == "deleted-open"), r.error
         assert "memory" in r.metadata["limits_hit"] and r.output.split() == ["gone", "0"], r.output
     else:
         assert r.success and int(r.output.split()[-1]) <= caps["tmpfs"]["mib"], (r.output, r.error)
