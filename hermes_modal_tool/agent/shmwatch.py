@@ -12,11 +12,13 @@ are absent in Modal's containers): one task of the agent measures, every
 each slot in use (a call ran since its last reset: its commands, background jobs and
 processes alike, also after the command that started them returned) owns in those
 places; each bash command is measured once more when it ends, before its result goes
-out. Past the share, every process of the slot's uid is killed and what it owns in those
-places removed; the running command's result (else the slot's next one) says so. A
-burst between two checks can exceed the share briefly (a tmpfs fills at several GB/s).
-Files that were deleted while still open are not seen (their memory is freed when the
-slot's processes end: a release, or the next enforcement).
+out. While those places hold no more than one share in all (``statvfs``) nothing is
+walked. Files deleted while still open or mapped count too (``/proc/<pid>/fd`` and
+``map_files`` of the slot's processes). Past the share, every process of the slot's uid
+is killed and what it owns in those places removed; the running command's result (else
+the slot's next one) says so. A burst between two checks can exceed the share briefly
+(a tmpfs fills at GB/s). ``memfd``s and System V shared memory are on no such place and
+are not seen.
 """
 
 import asyncio
