@@ -43,7 +43,8 @@ network namespace with loopback only when the sandbox blocks the network):
   (its limit if given, else the request; without one half the host's RAM, like
   Docker's and Linux's default), mounted on the host once per sandbox and detached
   when it finishes, when the server stops, and when a server starts on a state
-  directory a killed one left (``_shm.py``);
+  directory a killed one left (``_shm.py``; a failed mount is logged and leaves it on
+  disk);
 - a fresh ``/dev``, and a ``/proc`` for the exec's PID namespace, mounted by the
   exec itself so that it stays fully visible: nested ``bwrap --proc`` (in a user
   namespace, as an unprivileged uid) works inside;
