@@ -31,6 +31,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.slottmpfs", "agent/slottmpfs.py"),
     ("hermes_modal_tool.agent.trees", "agent/trees.py"),
     ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),
+    ("hermes_modal_tool.agent.shmwatch", "agent/shmwatch.py"),
     ("hermes_modal_tool.agent.files", "agent/files.py"),
     ("hermes_modal_tool.agent.wipes", "agent/wipes.py"),
     ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),

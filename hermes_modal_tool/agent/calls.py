@@ -133,6 +133,8 @@ class Calls:
             watched = diskwatch.watched(self, slot)
             if watched:
                 done = self._disk_checked(slot, done)
+            if getattr(self, "shm_watch", None) is not None:  # no bwrap (agent/shmwatch.py)
+                done = self.shm_watch.checked(slot, done)
             live = OutputStream(self, slot.shell, msg.get("id"), raw) if msg.get("stream") else None
             if live is not None:
                 done = _closing(live, done)

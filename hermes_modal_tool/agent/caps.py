@@ -15,7 +15,7 @@ def tmpfs_mb_for(limits):
 
 
 def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolation="bwrap",
-                shared_tmpfs=False, contained=False, tmpfs_note=""):
+                shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note=""):
     """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ...}``, each with the cap (MiB
     or a count) and ``enforced``: how, or ``"none"`` with the reason.
 
@@ -28,6 +28,8 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
         shared_tmpfs: every memory-backed place of a slot is one capped tmpfs (:mod:`.slottmpfs`).
         contained: a layered root's slot cannot mount (no ``CAP_SYS_ADMIN``, no user namespaces).
         tmpfs_note: why ``shared_tmpfs`` could not be had, if it was wanted.
+        shm: without bubblewrap, the memory-backed shared places' watch
+            (:meth:`.shmwatch.ShmWatch.caps`), or None and ``shm_note`` says why.
     """
     cgroup = limit_mode.startswith("cgroup")
     mem = limits.get("slot_memory_mb")
@@ -35,12 +37,13 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
               "enforced": ("cgroup memory.max per slot and per sandbox" if cgroup else
                            "RLIMIT_AS per process (address space, not a slot total)")}
     if isolation != "bwrap":
-        tmpfs = {"mib": None, "places": [],
-                 "enforced": "none: slots without bubblewrap share the sandbox's /tmp, /var/tmp "
-                             "and /dev/shm (no mount of their own); a release removes what the "
-                             "slot's uid left there" + (", and its pages are charged to the "
-                                                        "slot's memory cgroup" if cgroup else "")
-                             + "; with slot_disk set, what it owns there counts against it"}
+        tmpfs = dict(shm) if shm else {"mib": None, "places": [], "enforced": (
+            shm_note if shm_note.startswith("none") else "none: " + (shm_note or "not watched"))}
+        tmpfs["note"] = ("slots without bubblewrap share the sandbox's /tmp, /var/tmp and "
+                         "/dev/shm (no mount of their own); a release removes what the slot's "
+                         "uid left there" + (", and its pages are charged to the slot's memory "
+                                             "cgroup" if cgroup else "")
+                         + "; with slot_disk set, what it owns there counts against it too")
     elif filesystem == "overlay":
         tmpfs = {"mib": tmpfs_mb, "places": ["/dev/shm"],
                  "note": "/tmp, /run, /root, /home and the rest are in the slot's layer, on disk"}

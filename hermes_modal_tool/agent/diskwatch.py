@@ -6,7 +6,8 @@ event loop) and the command is stopped past the limit; once more when it ends, b
 result goes out. A slot without bubblewrap (its own uid, no mount namespace) is measured
 as its workspace plus what its uid owns in the sandbox's shared ``/tmp``, ``/var/tmp``
 and ``/dev/shm`` (:func:`uid_usage_bytes`). A file size rlimit (see :mod:`.slot`) stops
-any single file at the limit.
+any single file at the limit. What such a slot holds in the memory-backed ones counts
+against its memory share too, with or without ``slot_disk`` (:mod:`.shmwatch`).
 """
 
 import asyncio

@@ -8,7 +8,7 @@ import resource
 import sys
 
 from .. import protocol
-from . import caps, cgroups, isolation, rootfs, rootplan, slottmpfs
+from . import caps, cgroups, isolation, rootfs, rootplan, shmwatch, slottmpfs
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
 
@@ -81,6 +81,10 @@ class Setup:
             self.slots[i] = SlotRuntime(self, i)
             self.slots[i].tmpfs = (slottmpfs.SlotTmpfs(tmpfs_root, i, self.tmpfs_mb)
                                    if tmpfs_root else None)
+        # Slots without bubblewrap: what each holds in the shared memory-backed places.
+        self.shm_watch, shm_note = shmwatch.plan(self, limits, len(self.slots))
+        if self.shm_watch is not None:
+            self.shm_watch.start()
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -88,7 +92,8 @@ class Setup:
             pass
         slot_caps = caps.caps_report(limits, limit_mode, self.filesystem, self.tmpfs_mb,
                                      self.slot_disk_mb, self.isolation, bool(tmpfs_root),
-                                     self.contain_root, tmpfs_note)
+                                     self.contain_root, tmpfs_note,
+                                     self.shm_watch.caps() if self.shm_watch else None, shm_note)
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "python": "%d.%d.%d" % sys.version_info[:3],

@@ -212,6 +212,8 @@ class SlotRuntime:
         already fresh and is kept.
         """
         shell = self.shell
+        if getattr(self.agent, "shm_watch", None) is not None:  # a new tenant (shmwatch.py)
+            self.agent.shm_watch.reset(self)
         # With a root of its own, a slot that ran anything gets a new root, and its shell
         # must go too (its mount namespace holds the old one).
         drop = self.root is not None and (self.dirty or shell.used)

@@ -34,6 +34,20 @@ def remove_tree(path):
             pass
 
 
+def remove_at(dir_fd, name):
+    """Delete the directory ``name`` of the directory open at ``dir_fd`` and everything
+    in it (never following a link or crossing a mount). What cannot be removed is left."""
+    try:
+        fd = open_subdir_same_mount(dir_fd, name)
+    except OSError:
+        return
+    _rm_in(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
 def _rm_in(top_fd):
     """Empty the directory open at ``top_fd`` (and close it), however deep or wide (see
     :func:`walk_tree`). What cannot be removed is left."""

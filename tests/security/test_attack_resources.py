@@ -9,6 +9,7 @@ charged to its memory cgroup; the disk-backed ones by ``slot_disk`` when set.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -143,6 +144,12 @@ TMPFS_USED = ("du -smxc $(awk '{for (i = 7; i <= NF; i++) if ($i == \"-\") {if (
               "\"tmpfs\") print $5; break}}' /proc/self/mountinfo | sort -u) 2>/dev/null | tail -1")
 
 
+#: What the slot running it owns in the sandbox's shared memory-backed places (MiB):
+#: without bwrap, where slots share ``/dev/shm`` (a tmpfs on Modal).
+OWNED_IN_SHM = ("find /dev/shm -xdev -user $(id -u) -printf '%b\\n' 2>/dev/null "
+                "| awk '{s += $1} END {print int(s * 512 / 1048576)}'")
+
+
 @pytest.mark.parametrize("filesystem", ["auto", "workspace-only"])
 async def test_default_slot_memory_is_a_fair_share(mode_backend, filesystem):
     """``memory=512`` for two slots and no ``slot_memory``: a slot that fills every
@@ -151,16 +158,20 @@ async def test_default_slot_memory_is_a_fair_share(mode_backend, filesystem):
     its neighbour's allocation succeeds; status says how that is enforced. Without
     cgroups (Modal) one capped tmpfs per slot holds all its places, and a slot with a
     layered root cannot mount. Without bwrap (no mount namespace) slots write to the
-    sandbox's shared ``/tmp``, ``/var/tmp`` and ``/dev/shm``: status says nothing caps
-    them (SECURITY.md), and a release removes what the slot left there."""
+    sandbox's shared ``/tmp``, ``/var/tmp`` and ``/dev/shm``: what a slot owns in the
+    memory-backed ones (``/dev/shm``) is watched against its share; past it its
+    processes are stopped and those files removed, the result says so, and the
+    neighbour can still write its own share there; a release removes what it left."""
     backend = await mode_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1,
                                  filesystem=filesystem)
     pool = backend.get_status()["pools"][backend.default_profile]
     caps = pool["caps"]
     assert caps["memory"]["mib"] == 256, caps
     enforced = caps["tmpfs"]["enforced"]
-    if mode_backend.mode == "modal-nobwrap":
-        assert enforced.startswith("none: slots without bubblewrap share"), caps
+    nobwrap = mode_backend.mode == "modal-nobwrap"
+    if nobwrap:
+        assert enforced.startswith("watched: ") and "memory / slots_per_sandbox" in enforced, caps
+        assert caps["tmpfs"]["places"] == ["/dev/shm"] and caps["tmpfs"]["mib"] == 256, caps
     elif pool["limits"] == "rlimit":  # Modal: no cgroups in its containers
         assert ("one size-capped tmpfs per slot" in enforced if pool["filesystem"] == "workspace-only"
                 else "cannot mount" in enforced), caps
@@ -172,14 +183,73 @@ async def test_default_slot_memory_is_a_fair_share(mode_backend, filesystem):
             "mkdir -p extra && mount -t tmpfs -o size=1g none extra 2>/dev/null && "
             "head -c 400M /dev/zero > extra/fill 2>/dev/null; echo filled")
     r = await bash(backend, hog, fill, timeout=60)
-    assert r.output.endswith("filled\n") or "memory limit" in (r.error or ""), (r.output, r.error)
+    if nobwrap:  # stopped at its share of the sandbox's /dev/shm, and told so
+        assert "memory limit" in r.error and "/dev/shm" in r.error and "256 MiB" in r.error, r.error
+        assert "memory / slots_per_sandbox" in r.error and "filled" not in r.output, r.output
+        assert "memory" in r.metadata["limits_hit"], r.metadata
+    else:
+        assert r.output.endswith("filled\n") or "memory limit" in (r.error or ""), (r.output, r.error)
     r = await bash(backend, neighbour, "python3 -c 'x = bytearray(150 * 1024 * 1024); "
                                        "x[::4096] = b\"y\" * len(x[::4096]); print(len(x))'", timeout=60)
     assert r.success and r.output == f"{150 * 1024 * 1024}\n", (r.output, r.error)
-    used = await bash(backend, hog, TMPFS_USED)
+    if nobwrap:
+        used = await bash(backend, hog, OWNED_IN_SHM)
+        r = await bash(backend, neighbour, "head -c 200M /dev/zero > /dev/shm/mine && "
+                                           "du -m /dev/shm/mine | cut -f1; rm -f /dev/shm/mine")
+        assert r.output == "200\n", (r.output, r.error)
+    else:
+        used = await bash(backend, hog, TMPFS_USED)
     assert used.success and int(used.output.split()[0]) <= 256, used.output
-    if mode_backend.mode == "modal-nobwrap":  # what it left in the shared places goes with it
+    if nobwrap:  # what it left in the shared places goes with it
         await backend.release(hog, reset_workspace=True)
         left = [p for p in ("/tmp", "/var/tmp", "/dev/shm")
                 if any(mode_backend.view.host_path(backend, p).glob("fill-*"))]
         assert not left, left
+
+
+#: A process of the slot that outlives its command and fills ``/dev/shm`` a second later:
+#: a file, or one deleted while still open (no walk of the directories sees it).
+LATE_FILLERS = {
+    "file": "head -c 400M /dev/zero > /dev/shm/bg",
+    "deleted-open": "exec 3> /dev/shm/bg; rm /dev/shm/bg; head -c 400M /dev/zero >&3",
+}
+
+
+@pytest.mark.parametrize("filler", list(LATE_FILLERS))
+async def test_a_process_filling_dev_shm_after_its_command_returned_is_held(mode_backend, filler):
+    """A slot's process that outlives its command (``setsid``) and fills ``/dev/shm``
+    later cannot take its neighbour's memory: with bwrap it fills its own capped tmpfs;
+    without (the sandbox's shared ``/dev/shm``) the watch, which runs while the slot is
+    in use, stops it past its share, removes its files and the slot's next result says
+    so. The neighbour can still write its own share there."""
+    backend = await mode_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1)
+    caps = backend.get_status()["pools"][backend.default_profile]["caps"]
+    nobwrap = mode_backend.mode == "modal-nobwrap"
+    hog, neighbour = await backend.acquire("hog"), await backend.acquire("neighbour")
+    r = await bash(backend, hog, f"setsid -f sh -c 'sleep 1; {LATE_FILLERS[filler]}; sleep 120' "
+                                 "> /dev/null 2>&1; echo started")
+    assert r.output == "started\n", (r.output, r.error)
+    if nobwrap:  # the filler runs, then the watch ends it (and, a file, removes it)
+        uid = int((await bash(backend, hog, "id -u")).output)  # no user namespace here
+
+        def filler_alive() -> bool:
+            procs = processes()
+            return any(b"sleep 120" in procs[p].cmdline for p in pids_of_uid(uid) if p in procs)
+
+        assert await settle(filler_alive, 5)
+        assert await settle(lambda: not filler_alive(), 15)
+        assert not (mode_backend.view.host_path(backend, "/dev/shm") / "bg").exists()
+    else:
+        await asyncio.sleep(3.5)
+    own = 200 if nobwrap else caps["tmpfs"]["mib"] - 16
+    r = await bash(backend, neighbour, f"head -c {own}M /dev/zero > /dev/shm/mine && "
+                                       "du -m /dev/shm/mine | cut -f1; rm -f /dev/shm/mine")
+    assert r.output == f"{own}\n", (r.output, r.error)
+    r = await bash(backend, hog, "pgrep -u $(id -u) -f 'sleep 120' >/dev/null || echo gone; " + OWNED_IN_SHM)
+    if nobwrap:
+        assert "memory limit" in r.error and "after its command had returned" in r.error, r.error
+        assert ("(deleted, still open)" in r.error) == (filler == "deleted-open"), r.error
+        assert "memory" in r.metadata["limits_hit"] and r.output.split() == ["gone", "0"], r.output
+    else:
+        assert r.success and int(r.output.split()[-1]) <= caps["tmpfs"]["mib"], (r.output, r.error)
+    assert (await bash(backend, hog, "echo alive")).output == "alive\n"

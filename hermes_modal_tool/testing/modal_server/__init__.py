@@ -38,7 +38,13 @@ network namespace with loopback only when the sandbox blocks the network):
   read-only, on a read-only root;
 - writable, per-sandbox and shared by all its execs: ``/tmp``, ``/var/tmp``,
   ``/root``, ``/home``, ``/run``, ``/data``, ``/workspace`` and ``/dev/shm``
-  (``<state>/sandboxes/<id>/fs/...`` on the host);
+  (``<state>/sandboxes/<id>/fs/...`` on the host); ``/dev/shm`` is memory-backed as
+  on Modal: a tmpfs (mount source ``modal-local-shm``) of the sandbox's ``memory``
+  (its limit if given, else the request; without one half the host's RAM, like
+  Docker's and Linux's default), mounted on the host once per sandbox and detached
+  when it finishes, when the server stops, and when a server starts on a state
+  directory a killed one left (``_shm.py``; a failed mount is logged and leaves it on
+  disk);
 - a fresh ``/dev``, and a ``/proc`` for the exec's PID namespace, mounted by the
   exec itself so that it stays fully visible: nested ``bwrap --proc`` (in a user
   namespace, as an unprivileged uid) works inside;
@@ -53,10 +59,12 @@ Killing an exec kills its outer bwrap and with it its whole PID namespace.
 
 Without bwrap (not root, or no working ``bwrap``) ``isolation="auto"`` falls
 back to ``"none"``: plain processes in their own session, paths are host paths
-(``/workspace`` etc. do not exist; cwd defaults to the sandbox's state dir).
+(``/workspace`` etc. do not exist; cwd defaults to the sandbox's state dir), and
+``fs/shm`` is a plain directory on the host's disk.
 
 **Known gaps.** Images are recorded, never built or used (every sandbox sees the
-host's filesystem); ``cpu``/``memory``/``gpu`` are recorded, not enforced; outbound
+host's filesystem); ``cpu``/``memory``/``gpu`` are recorded, not enforced (``memory``
+only sizes ``/dev/shm``); outbound
 allowlists are not enforced (only ``block_network``); no PTY (``pty=`` runs
 without one), tunnels, volumes, snapshots, sidecars, ``Sandbox.logs`` or ephemeral
 apps (``app.run()``); all stdio is kept in memory until the server stops; the root

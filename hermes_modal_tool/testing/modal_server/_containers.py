@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from ._common import (
 )
 from ._processes import _Process, _Sandbox
 from ._records import _IMAGES
+from ._shm import mount_shm, size_mib, unmount_shm
 
 
 class _Containers:
@@ -83,6 +85,16 @@ class _Containers:
             return
         rec = sb.record
         await asyncio.to_thread(self._make_fs, rec.state_dir, rec.workdir)
+        if self.isolation == "bwrap":  # a memory-backed /dev/shm, as on Modal (_shm.py)
+            try:
+                await asyncio.to_thread(mount_shm, sb.fs / "shm",
+                                        size_mib(rec.memory_mib, rec.memory_limit_mib))
+            except OSError as exc:  # kept on disk, as without bwrap
+                logging.getLogger("hermes_modal_tool.testing.modal_server").warning(
+                    "local Modal server: sandbox %s keeps /dev/shm on disk: %s", rec.sandbox_id, exc)
+            if sb.result is not None:  # finished meanwhile: its _finish may have run already
+                await asyncio.to_thread(unmount_shm, sb.fs / "shm")
+                return
         image = _IMAGES.get(rec.image_id)
         if image is not None and image.fs_snapshot is not None:  # Sandbox.snapshot_filesystem
             await asyncio.to_thread(self._restore_fs, image, rec.state_dir)
@@ -147,5 +159,7 @@ class _Containers:
         waits = [proc.done.wait() for proc in procs if proc._proc is not None]
         if waits:
             await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=10)
+        if self.isolation == "bwrap":
+            await asyncio.to_thread(unmount_shm, sb.fs / "shm")
         sb.stdout.close()
         sb.stderr.close()

@@ -32,6 +32,7 @@ from ._processes import _Process, _Sandbox
 from ._records import ImageRecord, SandboxRecord, _Secret
 from ._router import _RouterHandlers
 from ._services import _CommandRouter, _ControlPlane, _CountingStream
+from ._shm import unmount_under
 from ._snapshots import _FsSnapshots
 
 logger = logging.getLogger("hermes_modal_tool.testing.modal_server")
@@ -164,6 +165,7 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
             self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o711)
         (self.state_dir / "sandboxes").mkdir(exist_ok=True)
+        unmount_under(self.state_dir / "sandboxes")  # a killed server's sandboxes' /dev/shm
         (self.state_dir / "modal.toml").touch()
         self._root_binds = []
         for name in sorted(os.listdir("/")):
@@ -220,6 +222,8 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
                     await asyncio.wait_for(self._server.wait_closed(), 5)
         finally:
             self._phase = "stopped"
+            if self.state_dir is not None:  # no sandbox's /dev/shm outlives the server
+                await asyncio.to_thread(unmount_under, self.state_dir / "sandboxes")
             if self._own_state and self.state_dir is not None:
                 # A sandbox's files may hold a tree 100,000 levels deep (past shutil's
                 # recursion limit even with ignore_errors): the agent's iterative remover.
