@@ -22,6 +22,7 @@ _MODULES = (
     ("hermes_modal_tool.protocol", "protocol.py"),
     ("hermes_modal_tool.agent", None),
     ("hermes_modal_tool.agent.scopes", "agent/scopes.py"),
+    ("hermes_modal_tool.agent.sysvipc", "agent/sysvipc.py"),
     ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
     ("hermes_modal_tool.agent.cgroups", "agent/cgroups.py"),
     ("hermes_modal_tool.agent.procs", "agent/procs.py"),

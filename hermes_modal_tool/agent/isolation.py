@@ -144,11 +144,14 @@ def purge_uid(uid, shared_dirs):
 
     A child takes the uid and calls ``kill(-1, SIGKILL)``: the kernel signals, in one
     pass under its task list lock, every process that uid may signal, whatever session
-    it is in; twice, for a fork that was under way. Afterwards nothing of the uid runs,
-    so the removal races with no one (and follows no links: ``trees.remove_tree``).
+    it is in; twice, for a fork that was under way. Then it waits until they are gone (a
+    killed process finishes the syscall it is in), so the removal races with no one (and
+    follows no links: ``trees.remove_tree``).
+    Its System V IPC objects go too (:mod:`.sysvipc`: without an IPC namespace of its
+    own, a segment would keep its memory, and its data for the uid's next tenant).
     Blocking: call it from a worker thread.
     """
-    from . import trees
+    from . import sysvipc, trees
 
     for _ in range(2):
         pid = os.fork()
@@ -161,6 +164,8 @@ def purge_uid(uid, shared_dirs):
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)
+    _wait_gone(uid)  # a killed process may still finish the syscall it is in (a file, a segment)
+    sysvipc.remove_owned_by(uid)
     for top in shared_dirs:
         try:
             names = os.listdir(top)
@@ -181,6 +186,28 @@ def purge_uid(uid, shared_dirs):
                     os.unlink(path)
                 except OSError:
                     pass
+
+
+def _wait_gone(uid, limit_s=2.0):
+    """Wait (bounded) until no live process runs as ``uid`` (zombies are done)."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        live = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                if os.stat("/proc/" + name).st_uid != uid:
+                    continue
+                with open("/proc/%s/stat" % name) as fh:
+                    live = fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            except (OSError, IndexError):
+                continue
+            if live:
+                break
+        if not live:
+            return
+        time.sleep(0.005)
 
 
 def _kill(pid, sig):

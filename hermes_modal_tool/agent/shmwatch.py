@@ -14,11 +14,12 @@ processes alike, also after the command that started them returned) owns in thos
 places; each bash command is measured once more when it ends, before its result goes
 out. While those places hold no more than one share in all (``statvfs``) nothing is
 walked. Files deleted while still open or mapped count too (``/proc/<pid>/fd`` and
-``map_files`` of the slot's processes). Past the share, every process of the slot's uid
-is killed and what it owns in those places removed; the running command's result (else
-the slot's next one) says so. A burst between two checks can exceed the share briefly
-(a tmpfs fills at GB/s). ``memfd``s and System V shared memory are on no such place and
-are not seen.
+``map_files`` of the slot's processes), and so do the slot's memfds and the System
+V shared memory segments its uid owns (:mod:`.sysvipc`); the cheap check before any walk
+is the kernel's ``Shmem``, which covers all three. Past the share, every process of the
+slot's uid is killed and what it owns in those places (and its System V objects)
+removed; the running command's result (else the slot's next one) says so. A burst
+between two checks can exceed the share briefly (a tmpfs fills at GB/s).
 """
 
 import asyncio
@@ -28,7 +29,7 @@ import stat
 import struct
 import sys
 
-from . import isolation, mounts, trees
+from . import isolation, mounts, sysvipc, trees
 from .diskwatch import DISK_WATCH_S, SHARED_PLACES
 
 TMPFS_MAGIC = 0x01021994
@@ -103,7 +104,10 @@ def owned_bytes(uids, places, slot_uids=()):
 
 
 def used_bytes(places):
-    """What the file systems of ``places`` hold in all (``statvfs``), bytes."""
+    """An upper bound of what any slot can hold in memory-backed shared memory, bytes:
+    what the file systems of ``places`` hold in all (``statvfs``), or the kernel's
+    ``Shmem`` (``/proc/meminfo``: every tmpfs, ``memfd`` and System V segment) when that
+    is more. No disk I/O: cheap enough for the event loop."""
     total = 0
     for place in places:
         try:
@@ -111,24 +115,33 @@ def used_bytes(places):
         except OSError:
             continue
         total += (st.f_blocks - st.f_bfree) * st.f_frsize
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Shmem:"):
+                    total = max(total, int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
     return total
 
 
 def open_deleted_bytes(uids, places):
-    """``{uid: bytes}``: files of ``places``' file systems that were deleted but are still
-    open or mapped by a process of one of ``uids`` (``/proc/<pid>/fd`` and ``map_files``),
-    each inode once: memory no walk sees. Blocking; needs root to read other uids'."""
+    """``({uid: bytes}, {uid: bytes})``: files of ``places``' file systems that were
+    deleted but are still open or mapped by a process of one of ``uids``, and that uid's
+    memfds (``/proc/<pid>/fd`` and ``map_files``), each inode once: memory no walk
+    sees. Blocking; needs root to read other uids'."""
     devs = set()
     for place in places:
         try:
             devs.add(os.stat(place).st_dev)
         except OSError:
             pass
-    usage, seen = {}, set()
+    usage, memfds, seen = {}, {}, set()
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
-        return usage
+        return usage, memfds
     for pid in pids:
         try:
             if os.stat("/proc/" + pid).st_uid not in uids:
@@ -147,22 +160,38 @@ def open_deleted_bytes(uids, places):
                 except OSError:
                     continue
                 key = (st.st_dev, st.st_ino)
-                if st.st_dev in devs and st.st_nlink == 0 and key not in seen:
+                if key in seen or not stat.S_ISREG(st.st_mode):
+                    continue
+                if st.st_dev in devs and st.st_nlink == 0:
                     seen.add(key)
                     usage[st.st_uid] = usage.get(st.st_uid, 0) + st.st_blocks * 512
-    return usage
+                elif st.st_dev not in devs and _is_memfd(base + name):
+                    seen.add(key)
+                    memfds[st.st_uid] = memfds.get(st.st_uid, 0) + st.st_blocks * 512
+    return usage, memfds
+
+
+def _is_memfd(link):
+    try:
+        return os.readlink(link).startswith("/memfd:")
+    except OSError:
+        return False
 
 
 def measure(uids, places, slot_uids, share):
     """``{uid: {place: bytes}}`` as :func:`owned_bytes`, plus ``"(deleted, still open)"``
-    (:func:`open_deleted_bytes`). When the places hold no more than ``share`` bytes in
-    all (``statvfs``, O(1)) no slot can be past it and nothing is walked."""
+    (:func:`open_deleted_bytes`), ``"memfd"`` and ``"System V shared memory"``. When no
+    more than ``share`` bytes are in memory-backed shared memory at all
+    (:func:`used_bytes`, O(1)) no slot can be past it and nothing is walked."""
     if used_bytes(places) <= share:
         return {uid: {} for uid in uids}
     usage = owned_bytes(uids, places, slot_uids)
-    for uid, n in open_deleted_bytes(set(uids), places).items():
-        if n and uid in usage:
-            usage[uid]["(deleted, still open)"] = n
+    deleted, memfds = open_deleted_bytes(set(uids), places)
+    for label, per_uid in (("(deleted, still open)", deleted), ("memfd", memfds),
+                           ("System V shared memory", sysvipc.shm_bytes(set(uids)))):
+        for uid, n in per_uid.items():
+            if n and uid in usage:
+                usage[uid][label] = n
     return usage
 
 

@@ -61,8 +61,9 @@ _MSG = 1 << 20
 
 
 def start():
-    """Fork the spawner; return a :class:`Spawner`, or None (with the reason in
-    ``spawner_note``) where it cannot work. Call before the agent starts threads."""
+    """Fork the spawner; return a :class:`Spawner` (whose first request finds out whether
+    the spawner could set itself up), or None (with the reason in ``spawner_note``) where
+    it cannot work at all. Call before the agent starts threads."""
     global spawner_note
     number = _SYS_CLONE.get(os.uname().machine)
     if os.geteuid() != 0 or number is None:
@@ -83,18 +84,8 @@ def start():
     for _, theirs in pairs:
         theirs.close()
     os.close(ready_w)
-    try:
-        status = _read_all(ready_r)
-    finally:
-        os.close(ready_r)
-    if status != b"ok":
-        for ours, _ in pairs:
-            ours.close()
-        os.waitpid(pid, 0)
-        spawner_note = status.decode("utf-8", "replace") or "the spawner exited"
-        return None
     spawner_note = "spawner (pid %d)" % pid
-    return Spawner([ours for ours, _ in pairs], pid)
+    return Spawner([ours for ours, _ in pairs], pid, ready_r)
 
 
 spawner_note = "not started"
@@ -105,13 +96,33 @@ class Spawner:
     with at most one request in flight, so that starts from several threads overlap
     (a start waits milliseconds in the kernel, joining cgroups, for almost no CPU)."""
 
-    def __init__(self, socks, pid):
+    def __init__(self, socks, pid, ready_fd):
         self.channels = queue.Queue()
         for sock in socks:
             sock.settimeout(EXEC_TIMEOUT_S + 10.0)
             self.channels.put(sock)
         self.pid = pid
         self.broken = None  # why it stopped answering, once it did
+        self._ready_fd = ready_fd  # its "ok" (or why not), read by the first request
+        self._ready_lock = threading.Lock()
+
+    def _check_ready(self):
+        """Read the spawner's start status once (the agent's own start never waits for
+        it: its mount namespace takes a few milliseconds); mark it broken if it failed."""
+        with self._ready_lock:
+            if self._ready_fd is None:
+                return
+            try:
+                status = _read_all(self._ready_fd)
+            finally:
+                os.close(self._ready_fd)
+                self._ready_fd = None
+            if status != b"ok":
+                self.broken = status.decode("utf-8", "replace") or "it exited at its start"
+                try:
+                    os.waitpid(self.pid, 0)
+                except ChildProcessError:
+                    pass
 
     def spawn(self, argv, env, cwd, stdio, pass_fds, setup, tree=None):
         """Start ``argv`` (``argv[0]`` an absolute path) as a child of the agent.
@@ -148,6 +159,8 @@ class Spawner:
 
     def _ask(self, msg, fds):
         """Send one request on a free channel; return ``(reply, received fds)``."""
+        if self._ready_fd is not None:
+            self._check_ready()
         if self.broken:
             raise OSError(errno.EPIPE, "the spawner is gone: %s" % self.broken)
         sock = self.channels.get()

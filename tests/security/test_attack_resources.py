@@ -15,6 +15,7 @@ import shutil
 import pytest
 from support import bash, layered, processes, settle
 
+from .conftest import MODES
 from .helpers import fresh_shell_only, host_can_fork, none_alive, pids_of_uid, slot_uid
 
 PIDS = 32
@@ -253,3 +254,57 @@ async def test_a_process_filling_dev_shm_after_its_command_returned_is_held(mode
     else:
         assert r.success and int(r.output.split()[-1]) <= caps["tmpfs"]["mib"], (r.output, r.error)
     assert (await bash(backend, hog, "echo alive")).output == "alive\n"
+
+
+#: Shared memory on no place: a memfd, and System V segments (each touched, then detached:
+#: they stay resident, and the address-space rlimit bounds only what is attached).
+OFF_PLACE_FILLERS = {
+    "memfd": ("python3 -c \"import os, time; fd = os.memfd_create(str(1)); "
+              "[os.write(fd, bytes(1 << 20)) for _ in range(400)]; time.sleep(300)\""),
+    "System V shared memory": (
+        "python3 -c \"import ctypes, time; l = ctypes.CDLL(None); l.shmat.restype = ctypes.c_void_p; "
+        "touch = lambda a: (ctypes.memset(a, 1, 100 << 20), l.shmdt(ctypes.c_void_p(a))); "
+        "[touch(l.shmat(l.shmget(0, 100 << 20, 0o1600), None, 0)) for _ in range(4)]; "
+        "time.sleep(300)\""),
+}
+
+
+@pytest.mark.parametrize("filler", list(OFF_PLACE_FILLERS))
+async def test_shared_memory_on_no_place_counts_against_the_share_without_bwrap(
+        request, make_backend, filler):
+    """Without bwrap (Modal), slots share the sandbox's IPC namespace and shared memory:
+    a slot's background process that fills a ``memfd`` or System V segments past its
+    share (on no place the file walk sees) is stopped by the watch, its segments (which
+    outlive processes) are removed, and its next result names what it held. Checked
+    from the neighbour, in the same IPC namespace: none of the hog's segments is left."""
+    request.getfixturevalue("modal_server")
+    backend = await make_backend(memory=512, slots_per_sandbox=2, max_sandboxes=1,
+                                 **MODES["modal-nobwrap"])
+    hog, neighbour = await backend.acquire("hog"), await backend.acquire("neighbour")
+    uid = int((await bash(backend, hog, "id -u")).output)
+    r = await bash(backend, hog, f"setsid -f sh -c 'sleep 1; {OFF_PLACE_FILLERS[filler]}; "
+                                 "sleep 120' > /dev/null 2>&1; echo started")
+    assert r.output == "started\n", (r.output, r.error)
+
+    def filler_alive() -> bool:
+        procs = processes()
+        return any(b"sleep 120" in procs[p].cmdline for p in pids_of_uid(uid) if p in procs)
+
+    assert await settle(filler_alive, 5)
+    assert await settle(lambda: not filler_alive(), 20)
+
+    async def hogs_segments() -> str:
+        table = await bash(backend, neighbour, "cat /proc/sysvipc/shm")
+        assert table.success, table
+        return "".join(line + "\n" for line in table.output.splitlines()[1:]
+                       if str(uid) in line.split()[7:10:2])  # its uid or cuid
+
+    for _ in range(100):  # its processes are stopped first, then its segments removed
+        left = await hogs_segments()
+        if not left:
+            break
+        await asyncio.sleep(0.05)
+    assert not left, left
+    r = await bash(backend, hog, "echo alive")
+    assert "memory limit" in r.error and filler in r.error, r.error
+    assert "memory" in r.metadata["limits_hit"] and r.output == "alive\n", (r.output, r.error)

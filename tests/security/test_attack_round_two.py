@@ -266,6 +266,33 @@ async def test_nothing_a_tenant_started_outlives_its_release(mode_backend):
     assert lines[2] == "end", r.output
 
 
+#: Python in the slot: make a System V segment with key ``KEY``, write ``TEXT`` into it.
+SYSV_LEAVE = ("import ctypes; l = ctypes.CDLL(None); l.shmat.restype = ctypes.c_void_p; "
+              "i = l.shmget(KEY, 4096, 0o1600); a = l.shmat(i, None, 0); "
+              "ctypes.memmove(a, TEXT, len(TEXT)); print(i >= 0)")
+#: ... and in the next tenant: read it back if it is still there.
+SYSV_FIND = ("import ctypes; l = ctypes.CDLL(None); l.shmat.restype = ctypes.c_void_p; "
+             "i = l.shmget(KEY, 0, 0); print('gone' if i < 0 else "
+             "ctypes.string_at(l.shmat(i, None, 0), 16))")
+
+
+async def test_system_v_ipc_of_a_tenant_does_not_reach_the_next_one(mode_backend):
+    """A System V shared memory segment left by a tenant (with bubblewrap, in its own IPC
+    namespace; without, in the sandbox's) is gone for the slot's next tenant, who runs
+    as the same uid: a release removes the uid's System V objects."""
+    backend = await mode_backend(**{**SMALL, "slots_per_sandbox": 1, "max_sandboxes": 1})
+    key, text = 0x48D0 + secrets.randbelow(1000), f"hmt-{secrets.token_hex(4)}"
+    first = await backend.acquire("first")
+    leave = SYSV_LEAVE.replace("KEY", str(key)).replace("TEXT", repr(text.encode()))
+    r = await bash(backend, first, f"python3 -c \"{leave}\"")
+    assert r.output == "True\n", (r.output, r.error)
+    await backend.release(first, reset_workspace=True)
+    second = await backend.acquire("second")
+    assert second.slot_id == first.slot_id
+    r = await bash(backend, second, f"python3 -c \"{SYSV_FIND.replace('KEY', str(key))}\"")
+    assert r.success and r.output == "gone\n", (r.output, r.error)
+
+
 async def test_disk_measurement_never_follows_a_link_the_slot_swaps_in(mode_backend):
     """The agent measures a slot's layer while its command runs (``slot_disk``), with
     directory descriptors that never follow a link (``trees.walk_tree``). A slot that
