@@ -61,31 +61,31 @@ _MSG = 1 << 20
 
 
 def start():
-    """Fork the spawner; return a :class:`Spawner` (whose first request finds out whether
-    the spawner could set itself up), or None (with the reason in ``spawner_note``) where
-    it cannot work at all. Call before the agent starts threads."""
+    """Fork the spawner; return a :class:`Spawner` (its first request finds out whether it
+    could set itself up), or None (with the reason in ``spawner_note``) where it cannot
+    work at all. Call before the agent starts threads."""
     global spawner_note
     number = _SYS_CLONE.get(os.uname().machine)
     if os.geteuid() != 0 or number is None:
         spawner_note = "not root" if number else "no clone number for %s" % os.uname().machine
         return None
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(CHANNELS)]
-    ready_r, ready_w = os.pipe()
+    why_r, why_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the spawner process
         code = 1
         try:
             for ours, _ in pairs:
                 ours.close()
-            os.close(ready_r)
-            code = _serve([theirs for _, theirs in pairs], ready_w, number)
+            os.close(why_r)
+            code = _serve([theirs for _, theirs in pairs], why_w, number)
         finally:
             os._exit(code)
     for _, theirs in pairs:
         theirs.close()
-    os.close(ready_w)
+    os.close(why_w)
     spawner_note = "spawner (pid %d)" % pid
-    return Spawner([ours for ours, _ in pairs], pid, ready_r)
+    return Spawner([ours for ours, _ in pairs], pid, why_r)
 
 
 spawner_note = "not started"
@@ -96,33 +96,28 @@ class Spawner:
     with at most one request in flight, so that starts from several threads overlap
     (a start waits milliseconds in the kernel, joining cgroups, for almost no CPU)."""
 
-    def __init__(self, socks, pid, ready_fd):
+    def __init__(self, socks, pid, why_fd):
         self.channels = queue.Queue()
         for sock in socks:
             sock.settimeout(EXEC_TIMEOUT_S + 10.0)
             self.channels.put(sock)
         self.pid = pid
         self.broken = None  # why it stopped answering, once it did
-        self._ready_fd = ready_fd  # its "ok" (or why not), read by the first request
-        self._ready_lock = threading.Lock()
+        self._why_fd = why_fd  # why it stopped at its start, if it did (read once)
+        self._why_lock = threading.Lock()
 
-    def _check_ready(self):
-        """Read the spawner's start status once (the agent's own start never waits for
-        it: its mount namespace takes a few milliseconds); mark it broken if it failed."""
-        with self._ready_lock:
-            if self._ready_fd is None:
-                return
-            try:
-                status = _read_all(self._ready_fd)
-            finally:
-                os.close(self._ready_fd)
-                self._ready_fd = None
-            if status != b"ok":
-                self.broken = status.decode("utf-8", "replace") or "it exited at its start"
+    def _gone(self, what):
+        """Mark the spawner gone; its own reason when it gave one at its start."""
+        why = None
+        with self._why_lock:
+            if self._why_fd is not None:
                 try:
-                    os.waitpid(self.pid, 0)
-                except ChildProcessError:
-                    pass
+                    why = _read_all(self._why_fd).decode("utf-8", "replace")
+                finally:
+                    os.close(self._why_fd)
+                    self._why_fd = None
+        self.broken = self.broken or why or what
+        return OSError(errno.EPIPE, "the spawner is gone: %s" % self.broken)
 
     def spawn(self, argv, env, cwd, stdio, pass_fds, setup, tree=None):
         """Start ``argv`` (``argv[0]`` an absolute path) as a child of the agent.
@@ -159,8 +154,6 @@ class Spawner:
 
     def _ask(self, msg, fds):
         """Send one request on a free channel; return ``(reply, received fds)``."""
-        if self._ready_fd is not None:
-            self._check_ready()
         if self.broken:
             raise OSError(errno.EPIPE, "the spawner is gone: %s" % self.broken)
         sock = self.channels.get()
@@ -171,13 +164,11 @@ class Spawner:
                 sock.send(msg)
             reply, got = _recv_fds(sock)[:2]
         except OSError as exc:
-            self.broken = "%s" % (exc,)
-            raise OSError(errno.EPIPE, "the spawner is gone: %s" % exc) from exc
+            raise self._gone("%s" % (exc,)) from exc
         finally:
             self.channels.put(sock)
         if not reply:
-            self.broken = "it exited"
-            raise OSError(errno.EPIPE, "the spawner is gone: it exited")
+            raise self._gone("it exited")
         return marshal.loads(reply), got
 
 
@@ -232,13 +223,16 @@ def _read_all(fd):
         out += chunk
 
 
-def _serve(socks, ready_w, number):  # pragma: no cover - runs in the spawner process
-    """The spawner's life: its own mount namespace, then requests from every channel; a
-    start is answered when its child has exec'd (or failed), meanwhile others are served."""
+def _serve(socks, why_w, number):  # pragma: no cover - runs in the spawner process
+    """The spawner's life: at its first request, a mount namespace of its own (a copy of
+    the sandbox's, which the agent's slot mounts are never in: the agent has a namespace
+    of its own); then requests from every channel, a start answered when its child has
+    exec'd (or failed), others served meanwhile. Setting up at the first request keeps
+    it out of the agent's own start. A failure is written to ``why_w`` before it exits."""
     lib = mounts.libc()
     try:
         lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        keep = {sock.fileno() for sock in socks} | {ready_w}
+        keep = {sock.fileno() for sock in socks} | {why_w}
         for fd in _open_fds():
             if fd > 2 and fd not in keep:
                 try:
@@ -249,6 +243,7 @@ def _serve(socks, ready_w, number):  # pragma: no cover - runs in the spawner pr
         for fd in (0, 1):
             os.dup2(devnull, fd)
         os.close(devnull)
+        select.select(socks, [], [])  # the first request
         mounts.enter_private_mount_namespace()
         del scopes._SCOPE[:]  # a ruleset made before the fork was closed above
         clone = ctypes.PyDLL(None, use_errno=True).syscall  # keeps the GIL over the call
@@ -256,10 +251,9 @@ def _serve(socks, ready_w, number):  # pragma: no cover - runs in the spawner pr
         keyctl = scopes.keyctl()
         enter_scope = scopes.enter_scope_fn(privileged=True)
     except Exception as exc:  # noqa: BLE001 - reported to the agent, which falls back
-        os.write(ready_w, ("spawner: %s" % (exc,)).encode())
+        os.write(why_w, ("spawner: %s" % (exc,)).encode())
         return 1
-    os.write(ready_w, b"ok")
-    os.close(ready_w)
+    os.close(why_w)
     idle = {sock.fileno(): sock for sock in socks}
     starting = {}  # error pipe fd -> [channel, pid, error bytes, deadline]
     while idle or starting:
