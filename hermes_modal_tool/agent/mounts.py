@@ -99,10 +99,8 @@ def userns_fd(uid, gid, inside=0):
     if maker is not None:
         try:
             return maker(uid, gid, inside)
-        except OSError as exc:
-            if exc.errno != errno.EPIPE:
-                raise
-            _USERNS_MAKER[0] = None  # the spawner is gone: fork here
+        except OSError:
+            _USERNS_MAKER[0] = None  # the spawner is gone or failed: fork here from now on
     with _USERNS_LOCK:
         return _userns_fd(uid, gid, inside)
 
@@ -113,8 +111,8 @@ _USERNS_MAKER = [None]
 
 def use_userns_maker(maker):
     """Make :func:`userns_fd`'s namespaces with ``maker(uid, gid, inside) -> fd`` (the
-    agent's spawner: a fork of a small process is cheaper than one of the agent); an
-    OSError with ``EPIPE`` from it means it is gone, and this process forks again."""
+    agent's spawner: a fork of a small process is cheaper than one of the agent); after
+    an OSError from it (gone, or refused) this process makes them itself again."""
     _USERNS_MAKER[0] = maker
 
 

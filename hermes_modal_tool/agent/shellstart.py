@@ -200,8 +200,9 @@ class ShellStart:
     def _spawn_root(self, spawner, argv, stdio, info_w):
         """Start a layered-root slot's bwrap through the agent's spawner (see
         :mod:`.spawner`): in a mount namespace holding this slot's root and the sandbox's
-        own mounts only. None when the spawner is gone (start with ``Popen`` then);
-        raises OSError when the start itself failed."""
+        own mounts only. None when the spawner is gone or this start failed there (a
+        kernel without ``CLONE_PARENT`` or ``move_mount``, say): this start and every
+        later one use ``Popen``, whose error, if it fails too, is the one reported."""
         slot = self.slot
         agent = slot.agent
         setup = {"procs_files": agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
@@ -211,10 +212,10 @@ class ShellStart:
         try:
             return spawner.spawn(argv, slot.env, "/", stdio, (info_w,), setup,
                                  (tree, slot.root.merged))
-        except OSError:
-            if spawner.broken:
-                return None
-            raise
+        except OSError as exc:
+            if not spawner.broken:
+                spawner.broken = "a start failed there (%s); shells start with Popen" % (exc,)
+            return None
         finally:
             os.close(tree)
 

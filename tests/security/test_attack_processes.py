@@ -86,7 +86,7 @@ async def test_escapes_do_not_survive_a_timeout_or_release(backend, two_slots):
     # ps's lines (stdout); bash may add its notice of a job the timeout killed on stderr.
     assert "sleep 1000" in r.stdout  # the background job survived the timeout
     assert not any(f"sleep {n}" in r.stdout for n in range(1001, 1007)), r.output
-    assert "hmt-stubborn" not in r.output and "sleep 100\n" not in r.output
+    assert "hmt-stubborn" not in r.stdout and "sleep 100\n" not in r.stdout, r.output
     # Now the escapes again, in a command that ends normally (they outlive it) ...
     r = await bash(backend, b, ESCAPES + "echo started")
     assert r.output.endswith("started\n")
