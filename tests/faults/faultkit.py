@@ -180,6 +180,16 @@ class Footprint:
                 return pid
         return None
 
+    def slot_bwraps(self, slot: Slot) -> list[int]:
+        """Host pids of the slot's bwrap processes (the outer one and its init): while one
+        runs, the slot's shell holds its output pipe, so the agent has not yet seen it end."""
+        table = procs()
+        base = f"{self.state_root}/{slot.sandbox_id}"
+        marks = (f"{base}/ws/slot_{slot.index}\0".encode(),
+                 f"{base}/fs/slot_{slot.index}/layer-".encode())
+        return [p.pid for p in table.values()
+                if p.comm == "bwrap" and any(m in p.cmdline for m in marks)]
+
     def sandbox_tree(self, sandbox_id: str) -> list[int]:
         """The sandbox's agent and every process below it."""
         table = procs()

@@ -119,8 +119,11 @@ async def test_killed_idle_shell_is_restarted_on_next_call(faulty):
     victim = next(iter(by.values()))[0]
     assert await bash(backend, victim, "cd /tmp && export KEEP=1")
     shell = fp.slot_shell(victim)
+    assert fp.slot_bwraps(victim), "the slot's bwraps are found"
     assert kill(shell)
-    await settle(lambda: fp.slot_shell(victim) is None)
+    # Dead once its whole sandbox is: until its bwraps exit they hold the shell's output
+    # pipe open, and a command written meanwhile reports that the shell exited.
+    await settle(lambda: fp.slot_shell(victim) is None and not fp.slot_bwraps(victim))
     r = await bash(backend, victim, "echo $HOSTNAME; cat owner")
     assert r.success, r.error
     assert r.output == f"slot-{victim.index}\n{victim.trajectory_id}\n"
