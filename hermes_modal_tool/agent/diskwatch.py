@@ -11,10 +11,9 @@ against its memory share too, with or without ``slot_disk`` (:mod:`.shmwatch`).
 """
 
 import asyncio
-import os
 import stat
 
-from .trees import walk_tree
+from .trees import walk_path
 
 #: Where a slot without bubblewrap can write besides its workspace (shared by all slots).
 SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm")
@@ -51,14 +50,7 @@ def uid_usage_bytes(uid, workspace, shared):
         return visit
 
     for top, mine_only in [(workspace, False)] + [(p, True) for p in shared]:
-        try:
-            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            walk_tree(fd, counter(mine_only))
-        except OSError:
-            pass
+        walk_path(top, counter(mine_only))
     return total[0]
 
 #: How often a running command's slot is measured against its ``slot_disk`` limit (s).

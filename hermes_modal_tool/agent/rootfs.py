@@ -394,7 +394,7 @@ class SlotRoot:
         layer meanwhile, and the walk never follows its links or leaves the layer. A
         directory moved during the walk ends it early (what was counted is returned).
         """
-        from .trees import walk_tree
+        from .trees import walk_path
 
         layer = self.active
         if layer is None:
@@ -406,15 +406,7 @@ class SlotRoot:
             return stat.S_ISDIR(st.st_mode)
 
         for sub in ("upper", "layers"):
-            try:
-                fd = os.open(os.path.join(layer.dir, sub),
-                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                walk_tree(fd, visit)
-            except OSError:
-                pass
+            walk_path(os.path.join(layer.dir, sub), visit)
         return total[0]
 
 

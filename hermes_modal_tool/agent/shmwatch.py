@@ -92,14 +92,7 @@ def owned_bytes(uids, places, slot_uids=()):
                     seen.add((st.st_dev, st.st_ino))
                 mine[place] = mine.get(place, 0) + st.st_blocks * 512
             return stat.S_ISDIR(st.st_mode) and (st.st_uid in enter or bool(st.st_mode & 0o022))
-        try:
-            fd = os.open(place, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            trees.walk_tree(fd, visit)
-        except OSError:
-            pass
+        trees.walk_path(place, visit)
     return usage
 
 
@@ -200,26 +193,21 @@ def purge(uid, places, slot_uids=()):
     deep (its own directories with all they hold; other directories entered as by
     :func:`owned_bytes`). Blocking."""
     isolation.purge_uid(uid, places)  # its processes, and what it owns at the top
+
+    def visit(fd, name, st):
+        if st.st_uid == uid:
+            if stat.S_ISDIR(st.st_mode):
+                trees.remove_at(fd, name)
+            else:
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except OSError:
+                    pass
+            return False
+        return stat.S_ISDIR(st.st_mode) and (st.st_uid in slot_uids or bool(st.st_mode & 0o022))
+
     for place in places:
-        def visit(fd, name, st):
-            if st.st_uid == uid:
-                if stat.S_ISDIR(st.st_mode):
-                    trees.remove_at(fd, name)
-                else:
-                    try:
-                        os.unlink(name, dir_fd=fd)
-                    except OSError:
-                        pass
-                return False
-            return stat.S_ISDIR(st.st_mode) and (st.st_uid in slot_uids or bool(st.st_mode & 0o022))
-        try:
-            fd = os.open(place, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            trees.walk_tree(fd, visit)
-        except OSError:
-            pass
+        trees.walk_path(place, visit)
 
 
 class ShmWatch:

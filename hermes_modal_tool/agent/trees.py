@@ -141,6 +141,20 @@ def walk_tree(top_fd, visit, leave=None, enter=None):
         os.close(fd)
 
 
+def walk_path(path, visit):
+    """:func:`walk_tree` from directory ``path`` (opened without following a link): nothing
+    when it cannot be opened, and a tree changed meanwhile ends the walk early (what was
+    visited stands)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        walk_tree(fd, visit)
+    except OSError:
+        pass
+
+
 def _names(fd):
     try:
         return os.listdir(fd)
