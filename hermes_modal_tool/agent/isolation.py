@@ -218,16 +218,22 @@ def _kill(pid, sig):
 
 
 def make_preexec(procs_files, rlimits, uid, gid):
-    """Return a ``preexec_fn``: join cgroups, set rlimits, enter a new Landlock domain
-    scoped for abstract UNIX sockets, drop to ``uid``/``gid``, and join a new, empty
-    session keyring (see ``scopes.py`` for why the last two).
+    """Return a ``preexec_fn`` that enters the slot (:func:`slot_entry_fn`)."""
+    enter = slot_entry_fn(privileged=os.geteuid() == 0)
+    return lambda: enter(procs_files, rlimits, uid, gid)
 
-    Runs in the child between fork and exec, so it only makes syscalls.
-    """
+
+def slot_entry_fn(privileged):
+    """Return ``enter(procs_files, rlimits, uid, gid)``, for a child between fork (or the
+    spawner's clone) and exec: join cgroups, set rlimits, enter a new Landlock domain
+    scoped for abstract UNIX sockets, drop to ``uid``/``gid`` (None: stay), and join a
+    new, empty session keyring (see ``scopes.py`` for why the last two). What it needs
+    is loaded now, before any fork, so the child only makes syscalls. ``privileged``:
+    the child is root until it drops to the slot's uid."""
     keyctl = scopes.keyctl()
-    enter_scope = scopes.enter_scope_fn(privileged=os.geteuid() == 0)
+    enter_scope = scopes.enter_scope_fn(privileged=privileged)
 
-    def preexec():
+    def enter(procs_files, rlimits, uid, gid):
         pid = str(os.getpid())
         for path in procs_files:
             with open(path, "w") as fh:
@@ -243,7 +249,7 @@ def make_preexec(procs_files, rlimits, uid, gid):
         if keyctl is not None:
             keyctl(scopes.KEYCTL_JOIN_SESSION_KEYRING, None)  # anonymous, owned by the slot's uid
 
-    return preexec
+    return enter
 
 
 def rlimits_for(limits, own_uid):

@@ -22,8 +22,8 @@ drops to the slot's uid, joins a new session keyring and execs bwrap, which then
 few dozen mounts instead of every slot's.
 
 Where the spawner cannot run (not root, no ``clone`` number for this machine, a kernel
-without ``move_mount``), :func:`start` returns None and shells start with ``Popen`` as
-before; the spawner reports the reason in ``spawner_note``.
+without ``move_mount``), :func:`start` returns None or the first failed start marks it
+broken, and shells start with ``Popen`` as before.
 """
 
 import array
@@ -33,7 +33,6 @@ import fcntl
 import marshal
 import os
 import queue
-import resource
 import select
 import signal
 import socket
@@ -41,7 +40,7 @@ import subprocess
 import threading
 import time
 
-from . import mounts, scopes
+from . import isolation, mounts, scopes
 
 #: ``clone(2)`` by machine (its first argument is the flags on both).
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220}
@@ -62,12 +61,10 @@ _MSG = 1 << 20
 
 def start():
     """Fork the spawner; return a :class:`Spawner` (its first request finds out whether it
-    could set itself up), or None (with the reason in ``spawner_note``) where it cannot
-    work at all. Call before the agent starts threads."""
-    global spawner_note
+    could set itself up), or None where it cannot work at all: the agent is not root, or
+    ``clone``'s number on this machine is unknown. Call before the agent starts threads."""
     number = _SYS_CLONE.get(os.uname().machine)
     if os.geteuid() != 0 or number is None:
-        spawner_note = "not root" if number else "no clone number for %s" % os.uname().machine
         return None
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(CHANNELS)]
     why_r, why_w = os.pipe()
@@ -84,11 +81,7 @@ def start():
     for _, theirs in pairs:
         theirs.close()
     os.close(why_w)
-    spawner_note = "spawner (pid %d)" % pid
-    return Spawner([ours for ours, _ in pairs], pid, why_r)
-
-
-spawner_note = "not started"
+    return Spawner([ours for ours, _ in pairs], why_r)
 
 
 class Spawner:
@@ -96,12 +89,11 @@ class Spawner:
     with at most one request in flight, so that starts from several threads overlap
     (a start waits milliseconds in the kernel, joining cgroups, for almost no CPU)."""
 
-    def __init__(self, socks, pid, why_fd):
+    def __init__(self, socks, why_fd):
         self.channels = queue.Queue()
         for sock in socks:
             sock.settimeout(EXEC_TIMEOUT_S + 10.0)
             self.channels.put(sock)
-        self.pid = pid
         self.broken = None  # why it stopped answering, once it did
         self._why_fd = why_fd  # why it stopped at its start, if it did (read once)
         self._why_lock = threading.Lock()
@@ -125,7 +117,7 @@ class Spawner:
         ``stdio``: three descriptors for its 0, 1, 2; ``pass_fds``: descriptors it gets as
         :data:`FIRST_PASS_FD` and up; ``setup``: dict with ``procs_files`` (cgroup files
         to join), ``rlimits`` (``[(resource, value)]``), ``uid``/``gid`` (None: keep
-        root), ``new_session``; ``tree``: ``(fd, path)``, a detached mount attached at
+        root); ``tree``: ``(fd, path)``, a detached mount attached at
         ``path`` in the child's own mount namespace. Returns a :class:`SpawnedProcess`.
 
         Raises OSError when the start failed (the message says which step and why) or
@@ -158,10 +150,7 @@ class Spawner:
             raise OSError(errno.EPIPE, "the spawner is gone: %s" % self.broken)
         sock = self.channels.get()
         try:
-            if fds:
-                sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-            else:
-                sock.send(msg)
+            _send(sock, msg, fds)
             reply, got = _recv_fds(sock)[:2]
         except OSError as exc:
             raise self._gone("%s" % (exc,)) from exc
@@ -248,8 +237,7 @@ def _serve(socks, why_w, number):  # pragma: no cover - runs in the spawner proc
         del scopes._SCOPE[:]  # a ruleset made before the fork was closed above
         clone = ctypes.PyDLL(None, use_errno=True).syscall  # keeps the GIL over the call
         clone.restype = ctypes.c_long
-        keyctl = scopes.keyctl()
-        enter_scope = scopes.enter_scope_fn(privileged=True)
+        enter_slot = isolation.slot_entry_fn(privileged=True)
     except Exception as exc:  # noqa: BLE001 - reported to the agent, which falls back
         os.write(why_w, ("spawner: %s" % (exc,)).encode())
         return 1
@@ -267,7 +255,7 @@ def _serve(socks, why_w, number):  # pragma: no cover - runs in the spawner proc
         for fd in ready:
             if fd in idle:
                 sock = idle.pop(fd)
-                pending = _serve_one(sock, clone, number, keyctl, enter_scope)
+                pending = _serve_one(sock, clone, number, enter_slot)
                 if pending is None:
                     idle[fd] = sock
                 elif pending is not False:
@@ -296,7 +284,7 @@ def _serve(socks, why_w, number):  # pragma: no cover - runs in the spawner proc
     return 0
 
 
-def _serve_one(sock, clone, number, keyctl, enter_scope):  # pragma: no cover
+def _serve_one(sock, clone, number, enter_slot):  # pragma: no cover
     """Take one request from ``sock``: None when answered, ``(error pipe, pid)`` for a
     start under way, False when the channel is closed."""
     try:
@@ -312,7 +300,7 @@ def _serve_one(sock, clone, number, keyctl, enter_scope):  # pragma: no cover
             out_fds.append(mounts.userns_fd(*request[1:]))
             reply = (0, "")
         else:
-            started = _start_one(request[1:], fds, clone, number, keyctl, enter_scope)
+            started = _start_one(request[1:], fds, clone, number, enter_slot)
             if isinstance(started[1], int):
                 return started  # answered once the child has exec'd
             reply = started
@@ -332,15 +320,19 @@ def _serve_one(sock, clone, number, keyctl, enter_scope):  # pragma: no cover
 
 
 def _reply(sock, reply, fds):  # pragma: no cover - runs in the spawner process
-    data = marshal.dumps(reply)
     try:
-        if fds:
-            sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        else:
-            sock.send(data)
+        _send(sock, marshal.dumps(reply), fds)
         return True
     except OSError:
         return False
+
+
+def _send(sock, data, fds):
+    """One message, with ``fds`` (passed as ``SCM_RIGHTS``) when there are any."""
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
 
 
 def _recv_fds(sock):
@@ -361,7 +353,7 @@ def _open_fds():
         return list(range(3, 256))
 
 
-def _start_one(request, fds, clone, number, keyctl, enter_scope):  # pragma: no cover
+def _start_one(request, fds, clone, number, enter_slot):  # pragma: no cover
     """Clone the child for a start; ``(error pipe, pid)`` (the pipe's end in the child
     closes at exec or carries its error), or ``(0, error text)``."""
     argv, env, cwd, n_pass, setup, tree_at = request
@@ -372,7 +364,7 @@ def _start_one(request, fds, clone, number, keyctl, enter_scope):  # pragma: no 
     pid = clone(ctypes.c_long(number), ctypes.c_long(CLONE_PARENT | signal.SIGCHLD), null, null, null, null)
     if pid == 0:
         try:
-            _child(argv, env, cwd, fds, n_pass, setup, tree_at, keyctl, enter_scope)
+            _child(argv, env, cwd, fds, n_pass, setup, tree_at, enter_slot)
         except BaseException as exc:  # noqa: BLE001 - told to the agent, then exit
             try:
                 os.write(err_w, ("%s" % (exc,)).encode("utf-8", "replace")[:4000] or b"failed")
@@ -386,30 +378,16 @@ def _start_one(request, fds, clone, number, keyctl, enter_scope):  # pragma: no 
     return err_r, pid
 
 
-def _child(argv, env, cwd, fds, n_pass, setup, tree_at, keyctl, enter_scope):  # pragma: no cover
-    """In the clone: everything ``preexec_fn`` did, then exec. Only syscalls."""
+def _child(argv, env, cwd, fds, n_pass, setup, tree_at, enter_slot):  # pragma: no cover
+    """In the clone: the slot's root in a mount namespace of its own, then what
+    ``preexec_fn`` does with ``Popen`` (:func:`.isolation.slot_entry_fn`), then exec."""
     lib = mounts.libc()
     if tree_at:
         if lib.unshare(mounts.CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
         mounts.move_mount_fd(fds[-1], tree_at)
-    pid = str(os.getpid())
-    for path in setup.get("procs_files") or ():
-        with open(path, "w") as fh:
-            fh.write(pid)
-    for res, value in setup.get("rlimits") or ():
-        resource.setrlimit(res, (value, value))
-    if enter_scope is not None:
-        enter_scope()
-    uid = setup.get("uid")
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(setup["gid"])
-        os.setuid(uid)
-    if keyctl is not None:
-        keyctl(scopes.KEYCTL_JOIN_SESSION_KEYRING, None)
-    if setup.get("new_session"):
-        os.setsid()
+    enter_slot(setup.get("procs_files") or (), setup.get("rlimits") or (), setup.get("uid"),
+               setup.get("gid"))
     for sig in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):  # as Popen's restore_signals
         if hasattr(signal, sig):
             signal.signal(getattr(signal, sig), signal.SIG_DFL)
