@@ -163,8 +163,7 @@ def mount_idmapped(source, target, ns):
         attr = _MountAttr(MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV, 0, 0, ns)
         _check(lib.syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
                            ctypes.sizeof(attr)), "mount_setattr(IDMAP) %s" % source)
-        _check(lib.syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, os.fsencode(target),
-                           MOVE_MOUNT_F_EMPTY_PATH), "move_mount %s" % target)
+        move_mount_fd(tree, target)
     finally:
         os.close(tree)
 

@@ -147,24 +147,25 @@ class ShellStart:
         self.spawn_tid = threading.get_native_id()  # whose children a stuck start may leave
         layer = None
         try:
+            # What the child does before exec (isolation.slot_entry_fn), either way.
+            entry = (agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
+                     agent.rlimits + slot.rlimits, slot.uid, slot.gid)
             if slot.root is not None:
                 self.start_phase = "building the slot's root filesystem"
                 slot.ensure_root()  # in this thread: mounts and a fork, once per layer
                 layer = slot.root.active
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
-                spawner = agent.spawner if agent.spawner and not agent.spawner.broken else None
                 argv = isolation.bwrap_root_argv(
                     agent.bwrap, slot.root.merged, slot.ctl_host, agent.network,
-                    "slot-%d" % slot.index, FIRST_PASS_FD if spawner else info_w,
-                    slot.start_dir, agent.tmpfs_mb, agent.contain_root) + binds + bash
+                    "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb,
+                    agent.contain_root) + binds + bash
                 cwd = "/"
-                if spawner is not None:
+                if agent.spawner is not None and not agent.spawner.broken:
                     self.start_phase = "in bwrap's start (the spawner: clone, cgroups, uid drop, exec)"
-                    proc = self._spawn_root(spawner, argv, (in_r, out_w, err_w), info_w)
+                    proc = self._spawn_root(argv, (in_r, out_w, err_w), info_w, entry)
                     if proc is not None:
                         return proc, in_w, out_r, info_r, err_r, layer
-                    argv[argv.index("--info-fd") + 1] = str(info_w)  # the spawner is gone
             elif agent.isolation == "bwrap":
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
@@ -176,9 +177,7 @@ class ShellStart:
             else:
                 argv = bash
                 cwd = slot.ws_host
-            preexec = isolation.make_preexec(
-                agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
-                agent.rlimits + slot.rlimits, slot.uid, slot.gid)
+            preexec = isolation.make_preexec(*entry)
             self.start_phase = "in bwrap's start (Popen: fork, cgroups, uid drop, exec)"
             proc = subprocess.Popen(
                 argv, stdin=in_r, stdout=out_w, stderr=err_w, env=slot.env, cwd=cwd,
@@ -197,27 +196,31 @@ class ShellStart:
                 os.close(info_w)
         return proc, in_w, out_r, info_r, err_r, layer
 
-    def _spawn_root(self, spawner, argv, stdio, info_w):
+    def _spawn_root(self, argv, stdio, info_w, entry):
         """Start a layered-root slot's bwrap through the agent's spawner (see
         :mod:`.spawner`): in a mount namespace holding this slot's root and the sandbox's
-        own mounts only. None when the spawner is gone or this start failed there (a
+        own mounts only; ``entry``: ``(procs_files, rlimits, uid, gid)`` as for
+        ``make_preexec``. None when the spawner is gone or this start failed there (a
         kernel without ``CLONE_PARENT`` or ``move_mount``, say): this start and every
         later one use ``Popen``, whose error, if it fails too, is the one reported."""
-        slot = self.slot
-        agent = slot.agent
-        setup = {"procs_files": agent.cgroups.slot_procs_files(slot.index) if agent.cgroups else [],
-                 "rlimits": [(int(r), int(v)) for r, v in agent.rlimits + slot.rlimits],
-                 "uid": slot.uid, "gid": slot.gid}
-        tree = mounts.clone_tree(slot.root.merged)
+        spawner = self.slot.agent.spawner
+        root = self.slot.root.merged
+        argv = list(argv)
+        argv[argv.index("--info-fd") + 1] = str(FIRST_PASS_FD)  # where the child has it
+        procs_files, rlimits, uid, gid = entry
+        setup = {"procs_files": procs_files, "rlimits": [(int(r), int(v)) for r, v in rlimits],
+                 "uid": uid, "gid": gid}
+        tree = None
         try:
-            return spawner.spawn(argv, slot.env, "/", stdio, (info_w,), setup,
-                                 (tree, slot.root.merged))
+            tree = mounts.clone_tree(root)
+            return spawner.spawn(argv, self.slot.env, "/", stdio, (info_w,), setup, (tree, root))
         except OSError as exc:
             if not spawner.broken:
                 spawner.broken = "a start failed there (%s); shells start with Popen" % (exc,)
             return None
         finally:
-            os.close(tree)
+            if tree is not None:
+                os.close(tree)
 
     def _attach(self, proc, in_w, out_r, info_r, err_r, layer):
         """Take over a started shell: read its output, write its init lines and the ready marker."""
