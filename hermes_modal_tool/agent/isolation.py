@@ -192,22 +192,35 @@ def _wait_gone(uid, limit_s=2.0):
     """Wait (bounded) until no live process runs as ``uid`` (zombies are done)."""
     end = time.monotonic() + limit_s
     while time.monotonic() < end:
-        live = False
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                if os.stat("/proc/" + name).st_uid != uid:
-                    continue
-                with open("/proc/%s/stat" % name) as fh:
-                    live = fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-            except (OSError, IndexError):
-                continue
-            if live:
-                break
-        if not live:
+        if all(process_state(pid) in (None, "Z", "X") for pid in pids_of_uids({uid})):
             return
         time.sleep(0.005)
+
+
+def pids_of_uids(uids):
+    """Host pids of the processes owned by one of ``uids`` (their ``/proc`` entry's owner)."""
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if name.isdigit():
+            try:
+                if os.stat("/proc/" + name).st_uid in uids:
+                    out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def process_state(pid):
+    """The state letter of ``pid`` (``/proc/<pid>/stat``: R, S, D, T, Z ...), None if gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _kill(pid, sig):

@@ -61,12 +61,7 @@ def _wait_stopped(pid, limit_s=1.0):
     """Wait (a few ms; at most ``limit_s``) until ``pid`` is stopped, a zombie or gone."""
     end = time.monotonic() + limit_s
     while time.monotonic() < end:
-        try:
-            with open("/proc/%d/stat" % pid) as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return
-        if state in ("T", "t", "Z", "X"):
+        if isolation.process_state(pid) in (None, "T", "t", "Z", "X"):
             return
         time.sleep(0.001)
 

@@ -131,18 +131,9 @@ def open_deleted_bytes(uids, places):
         except OSError:
             pass
     usage, memfds, seen = {}, {}, set()
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return usage, memfds
-    for pid in pids:
-        try:
-            if os.stat("/proc/" + pid).st_uid not in uids:
-                continue
-        except OSError:
-            continue
+    for pid in isolation.pids_of_uids(uids):
         for sub in ("fd", "map_files"):
-            base = "/proc/%s/%s/" % (pid, sub)
+            base = "/proc/%d/%s/" % (pid, sub)
             try:
                 names = os.listdir(base)
             except OSError:
