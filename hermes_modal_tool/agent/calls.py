@@ -129,7 +129,7 @@ class Calls:
             def begin():
                 self.own(self._background(slot, command, env, done))
         else:
-            cmd_path = slot.write_ctl("cmd", command.encode("utf-8", "surrogatepass") + b"\n")
+            text = command.encode("utf-8", "surrogatepass") + b"\n"
             watched = diskwatch.watched(self, slot)
             if watched:
                 done = self._disk_checked(slot, done)
@@ -140,7 +140,7 @@ class Calls:
                 done = _closing(live, done)
 
             def begin():
-                slot.shell.start(cmd_path, stdin_path, env, float(timeout), self.limit, done,
+                slot.shell.start(text, stdin_path, env, float(timeout), self.limit, done,
                                  one_line="\n" not in command.strip("\n"), raw=raw)
                 if live is not None and slot.shell.collector is not None:
                     slot.shell.collector.sink = live.sink

@@ -291,7 +291,7 @@ def capped(head, tail, dropped, limit):
 
 
 def _unname_in(data, source, one_line):
-    pattern = re.compile(re.escape(source) + rb": line (\d+): ")
+    pattern = re.compile(re.escape(source) + rb": (?:eval: )?line (\d+): ")  # a syntax error: eval
     return pattern.sub(b"bash: " if one_line else rb"bash: line \1: ", data)
 
 

@@ -4,19 +4,23 @@ Stdlib-only, Python 3.8.
 
 How a command runs: the shell reads commands in a loop it is given when it starts::
 
-    while :; do read -r -N 9 __hmt_h; ...; __hmt_n=${__hmt_h:0:8}; __hmt_f; printf '\\036%s %d\\036\\n' "$__hmt_n" "$?"; done
+    while :; do read -r -N 17 __hmt_h; ...; read -r -N <length> __hmt_c; __hmt_f; printf '\\036%s %d\\036\\n' "$__hmt_n" "$?"; done
 
-The agent writes the command text to the slot's control file ``cmd`` (one ``pwrite``:
-bash ``source``s it, so ``cd``, ``export``, ``declare`` and functions persist, a
-``return`` ends the command and bash's messages name the file, which the output
-shows as ``bash``), then 9 bytes to the shell's stdin: a fresh random nonce and the
-command's input (``n``: /dev/null, ``s``: the control file ``stdin``, ``e``: the control
-file ``e``, which sets variables for the command). ``read -N 9`` takes them in one
-``read`` (a line would cost bash one ``read`` per byte on a pipe). ``__hmt_f`` is a
-read-only function, so a ``break`` in the command cannot leave the loop. Output goes to
-a pipe the agent reads, stderr to a second one (:mod:`.output` keeps them interleaved
-in arrival order and apart); the end of a command is the marker line with its nonce on
-stdout, and when it comes the agent drains what stderr holds before the call ends.
+The agent writes one message to the shell's stdin: a 17-byte header (a fresh random
+nonce, the mode, the text's length in hex) and the command's text. ``__hmt_f`` runs it
+with ``eval`` in the shell itself, so ``cd``, ``export``, ``declare`` and functions
+persist and a ``return`` ends the command; it was sourced from the control file ``cmd``,
+so bash's messages name that file, which the output shows as ``bash``. The mode is the
+command's input: ``p``, /dev/null; ``q``, the control file ``stdin``. ``read -N`` takes
+each part in one ``read`` (a line would cost bash one ``read`` per byte on a pipe).
+A command too large for the pipe, not ASCII (``read -N`` counts characters, the header
+bytes), with a NUL byte or with variables of its own goes through files instead (header
+only, length 0): ``n`` and ``s`` source ``cmd`` (input as ``p`` and ``q``), ``e``
+sources the control file ``e``, which sets the variables. ``__hmt_f`` is a read-only
+function, so a ``break`` in the command cannot leave the loop. Output goes to a pipe the
+agent reads, stderr to a second one (:mod:`.output` keeps them interleaved in arrival
+order and apart); the end of a command is the marker line with its nonce on stdout, and
+when it comes the agent drains what stderr holds before the call ends.
 
 Starting: :mod:`.shellstart`. Timeouts and stopping: :mod:`.shellprocs`.
 """
@@ -27,7 +31,7 @@ import time
 from . import isolation
 from .output import OutputCollector, marker  # noqa: F401 - marker: re-exported for callers
 from .shellprocs import ShellProcesses, new_nonce
-from .shellstart import SPAWN_THREADS, ShellStart, protocol_result, shell_quote  # noqa: F401
+from .shellstart import HEADER, SPAWN_THREADS, ShellStart, protocol_result, shell_quote  # noqa: F401
 
 
 class Shell(ShellStart, ShellProcesses):
@@ -38,6 +42,7 @@ class Shell(ShellStart, ShellProcesses):
         self.loop = loop
         self.proc = None
         self.stdin_fd = None
+        self.pipe_room = 0  # bytes a command may take on stdin (set at start)
         self.out_fd = None
         self.err_fd = None
         self.info_fd = None
@@ -167,13 +172,18 @@ class Shell(ShellStart, ShellProcesses):
         super().close_fds()
 
     # -- running commands --------------------------------------------------
-    def start(self, command_file, stdin_path, env, timeout, limit, on_done, one_line=False,
+    def start(self, command, stdin_path, env, timeout, limit, on_done, one_line=False,
               raw=False):
-        """Start one command, already written to ``command_file`` (the slot's ``cmd``
-        control file); ``stdin_path``: ``/dev/null`` or a control file with its input;
-        ``env``: variables for this command only; ``one_line``: the command is a single
-        line, so bash's messages about it need no line number; ``raw``: also keep each
-        stream's exact bytes (``encoding="bytes"``).
+        """Start one command: ``command`` is its text (``bytes``) or the path of a control
+        file already holding it (``str``: the slot's ``cmd``, say); ``stdin_path``:
+        ``/dev/null`` or a control file with its input; ``env``: variables for this
+        command only; ``one_line``: the command is a single line, so bash's messages about
+        it need no line number; ``raw``: also keep each stream's exact bytes
+        (``encoding="bytes"``).
+
+        A text goes down the shell's stdin with its header, in one write, when it fits the
+        pipe and needs no file (ASCII, no NUL byte, no ``env``): else it is written to
+        ``cmd``.
 
         ``on_done(result)`` is called once with a ``call`` result dict: from the
         output reader when the end marker arrives (no task or future on this path),
@@ -183,8 +193,9 @@ class Shell(ShellStart, ShellProcesses):
         self.used = True  # from now on a reset must replace this shell
         nonce = new_nonce()  # only this slot's own output could forge it
         self.cmd_started = isolation.process_clock()
+        ctl = self.slot.ctl_path
         collector = OutputCollector(nonce.encode(), limit, self.loop)
-        collector.source = command_file.encode()
+        collector.source = (ctl + "/cmd").encode()  # what bash names in its messages
         collector.one_line = one_line
         if raw:
             collector.keep_raw()
@@ -193,6 +204,28 @@ class Shell(ShellStart, ShellProcesses):
         self.timeout = timeout
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
         self.stop_reason = None
+        inline = (isinstance(command, bytes) and not env and command.isascii()
+                  and b"\0" not in command and len(command) + HEADER <= self.pipe_room)
+        if inline:
+            header = "%s%s%08x" % (nonce, "p" if stdin_path == "/dev/null" else "q", len(command))
+            message = header.encode() + command
+        else:
+            if isinstance(command, bytes):
+                command = self.slot.write_ctl("cmd", command)
+            else:
+                collector.source = command.encode()
+            message = self._file_header(nonce, command, stdin_path, env)
+        try:
+            if not self.alive:
+                raise OSError("the shell is gone")
+            self._write(message)  # one write: the shell reads the header in one read
+        except OSError:
+            collector.finish(self.exit_status)  # reported as the shell having exited
+        self.timer = self.loop.call_later(timeout, self._on_timeout)
+        if collector.ended is not None:
+            self._complete()
+
+    def _file_header(self, nonce, command_file, stdin_path, env):
         ctl = self.slot.ctl_path
         if env or command_file != ctl + "/cmd" or stdin_path not in ("/dev/null", ctl + "/stdin"):
             prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
@@ -201,28 +234,20 @@ class Shell(ShellStart, ShellProcesses):
             mode = "e"
         else:
             mode = "n" if stdin_path == "/dev/null" else "s"
-        try:
-            if not self.alive:
-                raise OSError("the shell is gone")
-            self._write((nonce + mode).encode())  # one write: the shell reads it in one read
-        except OSError:
-            collector.finish(self.exit_status)  # reported as the shell having exited
-        self.timer = self.loop.call_later(timeout, self._on_timeout)
-        if collector.ended is not None:
-            self._complete()
+        return ("%s%s%08x" % (nonce, mode, 0)).encode()
 
-    async def run(self, command_file, stdin_path, env, timeout, limit):
+    async def run(self, command, stdin_path, env, timeout, limit):
         """Coroutine form of :meth:`start` (for the rare paths that want to await)."""
         fut = self.loop.create_future()
-        self.start(command_file, stdin_path, env, timeout, limit, fut.set_result)
+        self.start(command, stdin_path, env, timeout, limit, fut.set_result)
         return await fut
 
     async def run_launcher(self, text):
         """Run ``text``, a launcher that starts something in the background and ends with
         ``echo $!``, as one command; return ``(result, pid)``, the pid None when the last
         line is not one."""
-        cmd = self.slot.write_ctl("cmd", text.encode("utf-8", "surrogatepass") + b"\n")
-        res = await self.run(cmd, "/dev/null", {}, 10.0, 4096)
+        res = await self.run(text.encode("utf-8", "surrogatepass") + b"\n", "/dev/null", {},
+                             10.0, 4096)
         try:
             pid = int(res["output"].strip().splitlines()[-1])
         except (ValueError, IndexError):

@@ -31,7 +31,7 @@ SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replace
 #: through the host's ``HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S`` (see ``sandbox.py``).
 READY_TIMEOUT_S = 60.0
 #: The header of an empty command (after its nonce): the shell only prints the end marker.
-NOOP = ":"
+NOOP = ":00000000"
 
 
 def new_nonce():

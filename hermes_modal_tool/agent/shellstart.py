@@ -19,6 +19,7 @@ layers.
 """
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import threading
@@ -34,17 +35,36 @@ from .spawner import FIRST_PASS_FD
 # signal that comes just after the command ended cannot skip the end marker.
 TRAP = "trap 'return 124 2>/dev/null' USR1\n"
 INIT_LINES = "set +o history 2>/dev/null; shopt -s expand_aliases\n"
-#: The command loop (``@CTL@``: the control directory as the shell sees it). ``read``
-#: interrupted by a trapped signal returns > 128: read again; 1 is the end of stdin.
-LOOP = ("__hmt_f() { case ${__hmt_h:8:1} in n) . @CTL@/cmd </dev/null;; "
-        "s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n"
-        "readonly -f __hmt_f\n"
-        "while :; do \\builtin read -r -N 9 __hmt_h; case $? in 0) ;; 1) \\builtin exit;; "
-        "*) \\builtin continue;; esac; __hmt_n=${__hmt_h:0:8}; __hmt_f; "
+#: The command runner, written to the control file ``cmd`` when the shell starts and
+#: sourced from there (``@CTL@``: the control directory as the shell sees it), on its
+#: first line: so bash names ``@CTL@/cmd``, with the command's own line numbers, in its
+#: messages about a command it ``eval``\ s, as about one it sources. It is sourced
+#: before the ready marker: the first command may rewrite ``cmd`` once it is seen.
+RUNNER = ("__hmt_f() { case ${__hmt_h:8:1} in p) \\builtin eval \"$__hmt_c\" </dev/null;; "
+          "q) \\builtin eval \"$__hmt_c\" <@CTL@/stdin;; n) . @CTL@/cmd </dev/null;; "
+          "s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n")
+LOAD_RUNNER = ". @CTL@/cmd\nreadonly -f __hmt_f\n"
+#: The command loop. A command comes as a 17-byte header (nonce, mode, length in hex)
+#: and, in modes ``p`` and ``q``, its text: ASCII only, so that its length in bytes is
+#: its length in characters in whatever locale the shell has (``read -N`` counts
+#: characters; switching locales for it would make bash warn where the locale is not
+#: installed). ``read`` interrupted by a trapped signal returns > 128 having taken
+#: nothing: read again; 1 is the end of stdin.
+LOOP = ("while :; do \\builtin read -r -N 17 __hmt_h; case $? in 0) ;; 1) \\builtin exit;; "
+        "*) \\builtin continue;; esac; __hmt_n=${__hmt_h:0:8}; case ${__hmt_h:8:1} in [pq]) "
+        "until \\builtin read -r -N $((16#${__hmt_h:9:8})) __hmt_c; do "
+        "case $? in 1) \\builtin exit;; esac; done;; esac; __hmt_f; "
         "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"; done\n")
 #: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
 #: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
 SPAWN_THREADS = 4
+#: Bytes of a command's header on the shell's stdin (see :data:`LOOP`).
+HEADER = 17
+#: Largest command (bytes, header included) sent down the pipe rather than through the
+#: ``cmd`` file; at most the pipe's own size, so that the write, into the pipe the shell
+#: has emptied, never waits.
+INLINE_MAX = 32768
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 
 class ShellStart:
@@ -166,6 +186,11 @@ class ShellStart:
                     proc = self._spawn_root(argv, (in_r, out_w, err_w), info_w, entry)
                     if proc is not None:
                         return proc, in_w, out_r, info_r, err_r, layer
+                    # A spawner killed between its clone and its reply leaves a child that
+                    # holds these pipes: Popen's shell gets new ones (the same numbers), so
+                    # that child's bash reads nothing of it (it gets EOF and exits).
+                    for r, w in ((in_r, in_w), (out_r, out_w), (err_r, err_w), (info_r, info_w)):
+                        _renew_pipe(r, w)
             elif agent.isolation == "bwrap":
                 info_r, info_w = os.pipe()
                 pass_fds = (info_w,)
@@ -227,6 +252,10 @@ class ShellStart:
         self.proc = proc
         self.layer = layer
         self.stdin_fd = in_w
+        try:  # a pipe may be one page only (pipe-user-pages-soft)
+            self.pipe_room = min(INLINE_MAX, fcntl.fcntl(in_w, _F_GETPIPE_SZ))
+        except OSError:
+            self.pipe_room = 0
         self.out_fd = out_r
         self.info_fd = info_r
         if info_r is not None:
@@ -246,14 +275,16 @@ class ShellStart:
         self.loop.add_reader(out_r, self._on_output)
         nonce = new_nonce()
         self.ready_collector = OutputCollector(nonce.encode(), 4096, self.loop)
-        start = TRAP + INIT_LINES
+        ctl = shell_quote(self.slot.ctl_path)
+        self.slot.write_ctl("cmd", RUNNER.replace("@CTL@", ctl).encode())
+        start = TRAP + INIT_LINES + LOAD_RUNNER.replace("@CTL@", ctl)
         if self.slot.replay:  # a snapshot's shell state (agent/snapshots.py)
             start += ". %s 2>/dev/null\n" % shell_quote(self.slot.replay)
         if self.resume_dir:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
             self.resume_dir = None
         start += "\\builtin printf '\\036%%s 0\\036\\n' %s\n" % nonce
-        start += LOOP.replace("@CTL@", shell_quote(self.slot.ctl_path))
+        start += LOOP.replace("@CTL@", ctl)
         try:
             self._write(start.encode())
         except OSError:
@@ -295,6 +326,17 @@ class ShellStart:
             why = "it exited with status %s" % (status,)
         return protocol_result("the slot's shell did not start: %s" % why,
                                status if isinstance(status, int) and status > 0 else 1, text)
+
+
+def _renew_pipe(r, w):
+    """Make descriptors ``r`` and ``w`` the ends of a new pipe (the old one's ends here close)."""
+    new_r, new_w = os.pipe()
+    try:
+        os.dup2(new_r, r, inheritable=False)
+        os.dup2(new_w, w, inheritable=False)
+    finally:
+        os.close(new_r)
+        os.close(new_w)
 
 
 def protocol_result(error, returncode, output=""):

@@ -209,8 +209,7 @@ async def capture_state(slot):
     failure = await shell.ensure_ready()
     if failure is not None:
         raise SnapshotError("the slot's shell is not running: %s" % (failure.get("error"),))
-    cmd = slot.write_ctl("cmd", CAPTURE.encode())
-    res = await shell.run(cmd, "/dev/null", {}, 30.0, STATE_LIMIT)
+    res = await shell.run(CAPTURE.encode(), "/dev/null", {}, 30.0, STATE_LIMIT)
     if res.get("truncated") or res.get("returncode") != 0:
         raise SnapshotError("could not read the shell's state (exit %s%s): %s" % (
             res.get("returncode"), ", more than %d bytes" % STATE_LIMIT if res.get("truncated") else "",

@@ -1,0 +1,60 @@
+"""How a command reaches the slot's shell: its text on the shell's stdin (no file write per
+call), or through the ``cmd`` file when it is too large for the pipe, holds a NUL byte or
+has variables of its own; either way with the semantics of a sourced script."""
+
+from __future__ import annotations
+
+import pytest
+from support import bash
+
+from hermes_modal_tool.agent.shellstart import INLINE_MAX
+
+#: Commands that hold as much as the pipe takes, and more (these go through ``cmd``).
+SIZES = {"small": 100, "at the pipe's limit": INLINE_MAX - 17 - 1, "past it": INLINE_MAX + 10,
+         "large": 300_000}
+
+
+def padded(command: str, size: int) -> str:
+    """``command``, then a comment line making the text ``size`` bytes long (newline added
+    by the agent not counted)."""
+    pad = size - len(command.encode()) - 2
+    return command + "\n#" + "x" * pad
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+async def test_a_command_of_any_size_runs_as_a_sourced_script(backend, slot, size):
+    n = SIZES[size]
+    r = await bash(backend, slot, padded("cd /tmp && export SEEN=yes; echo \"$LINENO ${#PWD}\"; "
+                                         "f() { return 3; }; echo héllo; return 7", n))
+    assert r.returncode == 7 and r.output == "1 4\nhéllo\n", (r.output, r.error)
+    r = await bash(backend, slot, padded("echo $PWD $SEEN; nosuchcmd-x", n))
+    assert r.output == "/tmp yes\nbash: line 1: nosuchcmd-x: command not found\n", r.output
+    r = await bash(backend, slot, padded("true\nif then", n))
+    assert r.returncode == 2 and "/run/hmt" not in r.output, r.output
+    assert r.output.startswith("bash: line 2: syntax error near unexpected token"), r.output
+
+
+async def test_commands_do_not_rewrite_the_command_file(backend, slot):
+    """A command that fits the pipe is not written to a file: the slot's ``cmd`` control
+    file keeps what the shell started with (its command runner) whatever runs."""
+    before = await bash(backend, slot, "stat -c %Y.%s /run/hmt/cmd; cat /run/hmt/cmd")
+    assert before.success and "__hmt_f()" in before.output, (before.output, before.error)
+    for i in range(5):
+        assert (await bash(backend, slot, f"echo {i}")).output == f"{i}\n"
+    after = await bash(backend, slot, "stat -c %Y.%s /run/hmt/cmd; cat /run/hmt/cmd")
+    assert after.output == before.output
+
+
+async def test_odd_bytes_stdin_and_env_on_either_path(backend, slot):
+    """Text that is not ASCII (through ``cmd``) and the stdin and env arguments keep their
+    meaning; a NUL byte, which neither path could carry, is refused by name."""
+    r = await bash(backend, slot, "printf '%s' 'café' | od -An -tx1 | tr -d ' \\n'")
+    assert r.output == "636166c3a9", r.output
+    r = await bash(backend, slot, "echo a\x00b")
+    assert not r.success and "'command'" in r.error and "NUL" in r.error, r.error
+    for n in (50, INLINE_MAX * 2):
+        r = await bash(backend, slot, padded("tr a-z A-Z", n), stdin="in put\n")
+        assert r.output == "IN PUT\n", r.output
+        r = await bash(backend, slot, padded('echo "$ONLY"', n), env={"ONLY": "now"})
+        assert r.output == "now\n", r.output
+    assert (await bash(backend, slot, 'echo "${ONLY-unset}"')).output == "unset\n"
