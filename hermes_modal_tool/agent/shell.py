@@ -30,8 +30,8 @@ import time
 
 from . import isolation
 from .output import OutputCollector, marker  # noqa: F401 - marker: re-exported for callers
-from .shellprocs import ShellProcesses, new_nonce
-from .shellstart import HEADER, SPAWN_THREADS, ShellStart, protocol_result, shell_quote  # noqa: F401
+from .shellprocs import HEADER, ShellProcesses, header, new_nonce
+from .shellstart import SPAWN_THREADS, ShellStart, protocol_result, shell_quote  # noqa: F401
 
 
 class Shell(ShellStart, ShellProcesses):
@@ -174,11 +174,10 @@ class Shell(ShellStart, ShellProcesses):
     # -- running commands --------------------------------------------------
     def start(self, command, stdin_path, env, timeout, limit, on_done, one_line=False,
               raw=False):
-        """Start one command: ``command`` is its text (``bytes``) or the path of a control
-        file already holding it (``str``: the slot's ``cmd``, say); ``stdin_path``:
-        ``/dev/null`` or a control file with its input; ``env``: variables for this
-        command only; ``one_line``: the command is a single line, so bash's messages about
-        it need no line number; ``raw``: also keep each stream's exact bytes
+        """Start one command: ``command`` is its text (``bytes``); ``stdin_path``:
+        ``/dev/null`` or the control file ``stdin`` with its input; ``env``: variables for
+        this command only; ``one_line``: the command is a single line, so bash's messages
+        about it need no line number; ``raw``: also keep each stream's exact bytes
         (``encoding="bytes"``).
 
         A text goes down the shell's stdin with its header, in one write, when it fits the
@@ -204,17 +203,20 @@ class Shell(ShellStart, ShellProcesses):
         self.timeout = timeout
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
         self.stop_reason = None
-        inline = (isinstance(command, bytes) and not env and command.isascii()
-                  and b"\0" not in command and len(command) + HEADER <= self.pipe_room)
-        if inline:
-            header = "%s%s%08x" % (nonce, "p" if stdin_path == "/dev/null" else "q", len(command))
-            message = header.encode() + command
+        null = stdin_path == "/dev/null"
+        own_env = bool(env) or not (null or stdin_path == ctl + "/stdin")
+        if (not own_env and command.isascii() and b"\0" not in command
+                and len(command) + HEADER <= self.pipe_room):
+            message = header(nonce, "p" if null else "q", len(command)) + command
         else:
-            if isinstance(command, bytes):
-                command = self.slot.write_ctl("cmd", command)
+            cmd = self.slot.write_ctl("cmd", command)
+            if own_env:
+                prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
+                self.slot.write_ctl("e", ("%s. %s <%s\n" % (prefix, shell_quote(cmd),
+                                                           shell_quote(stdin_path))).encode())
+                message = header(nonce, "e")
             else:
-                collector.source = command.encode()
-            message = self._file_header(nonce, command, stdin_path, env)
+                message = header(nonce, "n" if null else "s")
         try:
             if not self.alive:
                 raise OSError("the shell is gone")
@@ -224,17 +226,6 @@ class Shell(ShellStart, ShellProcesses):
         self.timer = self.loop.call_later(timeout, self._on_timeout)
         if collector.ended is not None:
             self._complete()
-
-    def _file_header(self, nonce, command_file, stdin_path, env):
-        ctl = self.slot.ctl_path
-        if env or command_file != ctl + "/cmd" or stdin_path not in ("/dev/null", ctl + "/stdin"):
-            prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
-            self.slot.write_ctl("e", ("%s. %s <%s\n" % (prefix, shell_quote(command_file),
-                                                       shell_quote(stdin_path))).encode())
-            mode = "e"
-        else:
-            mode = "n" if stdin_path == "/dev/null" else "s"
-        return ("%s%s%08x" % (nonce, mode, 0)).encode()
 
     async def run(self, command, stdin_path, env, timeout, limit):
         """Coroutine form of :meth:`start` (for the rare paths that want to await)."""

@@ -30,8 +30,11 @@ SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replace
 #: killed. The init config's ``shell_start_timeout`` (seconds) overrides it: tests set it
 #: through the host's ``HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S`` (see ``sandbox.py``).
 READY_TIMEOUT_S = 60.0
-#: The header of an empty command (after its nonce): the shell only prints the end marker.
-NOOP = ":00000000"
+#: Bytes of a command's header on the shell's stdin: its nonce (8), its mode (1) and the
+#: length of the text that follows, in hex (8) (see ``shellstart.LOOP``).
+HEADER = 17
+#: The mode of an empty command: the shell only prints the end marker.
+NOOP = ":"
 
 
 def new_nonce():
@@ -45,6 +48,11 @@ def new_nonce():
 
 
 _NONCES = []
+
+
+def header(nonce, mode, length=0):
+    """A command's header (:data:`HEADER` bytes); ``length``: of the text that follows."""
+    return ("%s%s%08x" % (nonce, mode, length)).encode()
 
 
 def kill_spawned(outer):
@@ -335,7 +343,7 @@ class ShellProcesses:
         flush = OutputCollector(nonce.encode(), collector.limit, self.loop)
         self.collector = flush  # fed by _on_output; completes nothing while interrupting
         try:
-            self._write((nonce + NOOP).encode())  # an empty command: just its end marker
+            self._write(header(nonce, NOOP))  # an empty command: just its end marker
             await asyncio.wait_for(asyncio.shield(flush.wait()), SHELL_GRACE_S)
         except (OSError, asyncio.TimeoutError):
             pass

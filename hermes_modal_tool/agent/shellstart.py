@@ -58,8 +58,6 @@ LOOP = ("while :; do \\builtin read -r -N 17 __hmt_h; case $? in 0) ;; 1) \\buil
 #: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
 #: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
 SPAWN_THREADS = 4
-#: Bytes of a command's header on the shell's stdin (see :data:`LOOP`).
-HEADER = 17
 #: Largest command (bytes, header included) sent down the pipe rather than through the
 #: ``cmd`` file; at most the pipe's own size, so that the write, into the pipe the shell
 #: has emptied, never waits.
