@@ -96,11 +96,14 @@ def render(res: dict[str, Any], quick: bool) -> str:
                 f"{res['machine']['nproc'] / max(sum(cpu.values()), 1e-9) * 1e6:,.0f} calls/s)")
             add(row(f"   ours, the same as one batch of {t['calls']} ({tag})", f"{t['big_batch_calls_per_s']:,.0f}",
                     ">= 10,000", verdict(t["big_batch_calls_per_s"] >= TARGETS["calls_per_s"])))
-        if tp.get("raw_bash"):
-            rb = tp["raw_bash"]
-            rcpu = rb["cpu_us_per_call"]
-            add(row(f"   floor: {rb['shells']} raw persistent bashes, rounds", f"{rb['calls_per_s']:,.0f}", "", ""))
-            add(f"      (CPU per call: bash {rcpu['bash']:.0f} µs, driver {rcpu['driver']:.0f} µs)")
+        for key, how in (("raw_bash", ""), ("raw_bash_cgroups", ", each in its own memory+pids+cpu cgroup")):
+            rb = tp.get(key)
+            if rb and "error" in rb:
+                add(f"   floor: raw persistent bashes{how}: not measured ({rb['error']})")
+            elif rb:
+                rcpu = rb["cpu_us_per_call"]
+                add(row(f"   floor: {rb['shells']} raw persistent bashes{how}, rounds", f"{rb['calls_per_s']:,.0f}", "", ""))
+                add(f"      (CPU per call: bash {rcpu['bash']:.0f} µs, driver {rcpu['driver']:.0f} µs)")
         st = tp["subprocess_threads"]
         add(row(f"   subprocess.run, thread pool of {st['workers']} ({st['calls']})", f"{st['calls_per_s']:,.0f}", "", ""))
         sa = tp["subprocess_asyncio"]

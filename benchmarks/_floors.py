@@ -2,7 +2,9 @@
 
 - a raw persistent bash answering ``echo`` (one shell, one round trip at a time);
 - raw persistent bashes answering trivial commands in rounds (the most calls/s the
-  machine gives bash itself, with no sandbox, agent or host in between);
+  machine gives bash itself, with no sandbox, agent or host in between), and the same
+  with each bash in a memory, pids and cpu cgroup of its own below a common parent, as a
+  slot's shell is (the kernel's accounting per cgroup is part of every call's cost);
 - ``bwrap ... true`` started as fast as the machine allows (the floor of a slot shell's
   start: a bubblewrap sandbox with user and PID namespaces).
 """
@@ -26,9 +28,66 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _bash() -> subprocess.Popen:
+def _bash(cgroup: list[str] | None = None) -> subprocess.Popen:
+    """A persistent bash; ``cgroup``: files its pid is written to before it runs."""
+    def join() -> None:
+        for path in cgroup or ():
+            with open(path, "w") as fh:
+                fh.write("0")
+
     return subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, bufsize=0)
+                            stdout=subprocess.PIPE, bufsize=0, preexec_fn=join if cgroup else None)
+
+
+#: Controllers of a slot's cgroup (as ``hermes_modal_tool/agent/cgroups.py`` makes them).
+SLOT_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+def slot_cgroups(n: int) -> tuple[list[list[str]], list[str]] | None:
+    """``n`` cgroups, each with :data:`SLOT_CONTROLLERS`, below a new parent (v1 or v2):
+    ``(the files to join each, the directories to remove, deepest first)``, or None when
+    this process cannot make them (not root, no such controllers)."""
+    tag = f"hmt-floor-{os.getpid()}"
+    made: list[str] = []
+    try:
+        if all(os.path.isdir(f"/sys/fs/cgroup/{c}") for c in SLOT_CONTROLLERS):
+            parents = [f"/sys/fs/cgroup/{c}/{tag}" for c in SLOT_CONTROLLERS]
+            for d in parents:
+                os.mkdir(d)
+                made.append(d)
+            joins = []
+            for i in range(n):
+                files = []
+                for d in parents:
+                    os.mkdir(f"{d}/s{i}")
+                    made.append(f"{d}/s{i}")
+                    files.append(f"{d}/s{i}/tasks")
+                joins.append(files)
+        elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            parent = f"/sys/fs/cgroup/{tag}"
+            os.mkdir(parent)
+            made.append(parent)
+            with open(f"{parent}/cgroup.subtree_control", "w") as fh:
+                fh.write(" ".join("+" + c for c in SLOT_CONTROLLERS))
+            joins = []
+            for i in range(n):
+                os.mkdir(f"{parent}/s{i}")
+                made.append(f"{parent}/s{i}")
+                joins.append([f"{parent}/s{i}/cgroup.procs"])
+        else:
+            return None
+    except OSError:
+        _remove_dirs(made[::-1])
+        return None
+    return joins, made[::-1]
+
+
+def _remove_dirs(dirs: list[str]) -> None:
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def _ask(proc: subprocess.Popen, command: bytes) -> bytes:
@@ -56,10 +115,24 @@ def raw_bash_echo(n: int, warm: int) -> list[float]:
         proc.wait()
 
 
-def raw_bash_throughput(shells: int, rounds: int) -> dict[str, Any]:
+def raw_bash_throughput(shells: int, rounds: int, cgroups: bool = False) -> dict[str, Any]:
     """``shells`` persistent bashes, ``rounds`` rounds of ``echo i`` to each: calls/s and the
-    CPU per call of bash and of this driver (the floor: no sandbox, agent or host)."""
-    procs = [_bash() for _ in range(shells)]
+    CPU per call of bash and of this driver (the floor: no sandbox, agent or host);
+    ``cgroups``: each bash in cgroups of its own (:func:`slot_cgroups`; ``{"error": ...}``
+    when they cannot be made here)."""
+    groups = slot_cgroups(shells) if cgroups else None
+    if cgroups and groups is None:
+        return {"error": "no memory, pids and cpu cgroups can be made here (not root?)"}
+    try:
+        result = _rounds([_bash(groups[0][i] if groups else None) for i in range(shells)], rounds)
+    finally:
+        if groups:
+            _remove_dirs(groups[1])
+    return result
+
+
+def _rounds(procs: list[subprocess.Popen], rounds: int) -> dict[str, Any]:
+    shells = len(procs)
     sel = selectors.DefaultSelector()
     for p in procs:
         os.set_blocking(p.stdout.fileno(), False)

@@ -17,7 +17,8 @@ g. live output (``streaming.py``): one slot's streaming throughput against ``sub
    of the same sandbox streams ``yes``.
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
-persistent bashes answering trivial commands in rounds (b), bwrap starts per second (f).
+persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
+cpu cgroup of its own as a slot's shell is (b), bwrap starts per second (f).
 
 Usage::
 
@@ -712,6 +713,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tp["ours"].append(timed(f"b. ours {sbx} sandbox(es)",
                                     lambda sbx=sbx: asyncio.run(throughput_ours(n_slots, n_cmds, sbx))))
         tp["raw_bash"] = timed("b. floor: raw bash", lambda: raw_bash_throughput(n_slots, n_cmds))
+        tp["raw_bash_cgroups"] = timed("b. floor: raw bash in cgroups",
+                                       lambda: raw_bash_throughput(n_slots, n_cmds, cgroups=True))
         n_sub = 500 if q else 3000
         tp["subprocess_threads"] = timed("b. subprocess threads", lambda: throughput_subprocess_threads(n_sub, 16))
         tp["subprocess_asyncio"] = timed("b. subprocess asyncio",

@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 from support import bash
 
+from hermes_modal_tool.agent.shellprocs import FRAME, HEADER
 from hermes_modal_tool.agent.shellstart import INLINE_MAX
 
-#: Commands that hold as much as the pipe takes, and more (these go through ``cmd``).
-SIZES = {"small": 100, "at the pipe's limit": INLINE_MAX - 17 - 1, "past it": INLINE_MAX + 10,
+#: Commands in the shell's one read (the frame), just past it, that hold as much as the
+#: pipe takes, and more (these go through ``cmd``).
+SIZES = {"in the frame": FRAME - HEADER - 1, "past the frame": FRAME - HEADER + 1, "small": 100,
+         "at the pipe's limit": INLINE_MAX - FRAME - 1, "past it": INLINE_MAX + 10,
          "large": 300_000}
 
 
@@ -52,9 +55,19 @@ async def test_odd_bytes_stdin_and_env_on_either_path(backend, slot):
     assert r.output == "636166c3a9", r.output
     r = await bash(backend, slot, "echo a\x00b")
     assert not r.success and "'command'" in r.error and "NUL" in r.error, r.error
-    for n in (50, INLINE_MAX * 2):
+    for n in (30, 50, INLINE_MAX * 2):
         r = await bash(backend, slot, padded("tr a-z A-Z", n), stdin="in put\n")
         assert r.output == "IN PUT\n", r.output
         r = await bash(backend, slot, padded('echo "$ONLY"', n), env={"ONLY": "now"})
         assert r.output == "now\n", r.output
     assert (await bash(backend, slot, 'echo "${ONLY-unset}"')).output == "unset\n"
+
+
+async def test_a_command_reads_nothing_of_the_protocol(backend, slot):
+    """The shell's stdin is /dev/null for every command; the command pipe is on a
+    close-on-exec descriptor, so no program a command runs holds it."""
+    r = await bash(backend, slot, "cat; read -r x; echo \"read=$? x=$x\"; ls /proc/self/fd")
+    assert r.output == "read=1 x=\n0\n1\n2\n3\n", r.output
+    r = await bash(backend, slot, "readlink /proc/self/fd/0")
+    assert r.output == "/dev/null\n", r.output
+    assert (await bash(backend, slot, "echo after")).output == "after\n"

@@ -19,7 +19,7 @@ import sys
 
 from .. import protocol
 from . import admission, mounts, ptyprocs, rootfs, snapshots, spawner, streaming, trees
-from .calls import FILE_THREADS, STOPPED_BEFORE, Calls
+from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
 from .diskwatch import DiskWatch
 from .setup import Setup
 from .shell import SPAWN_THREADS
@@ -30,8 +30,6 @@ from .shell import SPAWN_THREADS
 #: chooses among (``pool.PICK_WINDOW``): after them it reuses slots whose shells the
 #: agent started again after their reset.
 SPARE_SHELLS = 8
-
-
 class Agent(Setup, Calls, DiskWatch):
     """The agent of one sandbox: its slots, their calls, and the worker threads."""
 
@@ -40,6 +38,8 @@ class Agent(Setup, Calls, DiskWatch):
         self.out = out_transport
         self.slots = {}
         self.outbox = []
+        self.flush_handle = None  # the scheduled flush (at once, or a batch's hold)
+        self.flush_soon = False  # ... and it is the one at once
         self.tasks = set()
         self.config = None
         self.cgroups = None
@@ -63,13 +63,28 @@ class Agent(Setup, Calls, DiskWatch):
         self.spawner = None  # the process that starts layered-root shells (agent/spawner.py)
 
     # -- io ------------------------------------------------------------------
-    def send(self, message):
-        """Queue a frame; frames queued in one loop pass go out in one write."""
-        if not self.outbox:
-            self.loop.call_soon(self.flush)
+    def send(self, message, batch=None):
+        """Queue a frame; frames queued in one loop pass go out in one write. A call's
+        result with its ``batch`` waits (at most :data:`HOLD_S`) while results of that
+        batch are still to come."""
         self.outbox.append(protocol.encode(message))
+        if batch is not None:
+            batch.left -= 1
+            if batch.left > 0:
+                if self.flush_handle is None:
+                    self.flush_handle = self.loop.call_later(HOLD_S, self.flush)
+                return
+        if not self.flush_soon:
+            if self.flush_handle is not None:
+                self.flush_handle.cancel()
+            self.flush_handle = self.loop.call_soon(self.flush)
+            self.flush_soon = True
 
     def flush(self):
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+        self.flush_handle = None
+        self.flush_soon = False
         if self.outbox and not self.out.is_closing():
             self.out.write(b"".join(self.outbox))
         self.outbox = []
@@ -81,7 +96,7 @@ class Agent(Setup, Calls, DiskWatch):
             slot = self.slots.get(msg.get("slot"))
             if slot is None:
                 self.send({"id": mid, "ok": True, "result": protocol.call_result(
-                    error="no slot %r in this sandbox" % (msg.get("slot"),))})
+                    error="no slot %r in this sandbox" % (msg.get("slot"),))}, msg.get(BATCH_KEY))
             else:
                 self.unstarted[id(msg)] = msg
                 slot.queue.append(msg)
@@ -128,7 +143,8 @@ class Agent(Setup, Calls, DiskWatch):
                     slot.queue.remove(msg)
                     self.unstarted.pop(id(msg), None)
                     self.send({"id": target, "ok": True,
-                               "result": protocol.call_result(error="cancelled before it started")})
+                               "result": protocol.call_result(error="cancelled before it started")},
+                              msg.get(BATCH_KEY))
                     return True
         return False
 
@@ -155,7 +171,8 @@ class Agent(Setup, Calls, DiskWatch):
             dropped = slot.queue.popleft()
             self.unstarted.pop(id(dropped), None)
             self.send({"id": dropped.get("id"), "ok": True,
-                       "result": protocol.call_result(error="the slot was reset before this call ran")})
+                       "result": protocol.call_result(error="the slot was reset before this call ran")},
+                      dropped.get(BATCH_KEY))
         if slot.busy:
             self.stop_current(slot, "the slot was reset before this call ran")
             await slot.idle.wait()
@@ -357,6 +374,11 @@ class _InProtocol(asyncio.Protocol):
             return
         if self.agent.heartbeat is not None:
             self.agent.heartbeat.heard = True
+        calls = [msg for msg in messages if msg.get("op") == "call"]
+        if len(calls) > 1:
+            batch = Batch(len(calls))
+            for msg in calls:
+                msg[BATCH_KEY] = batch
         for msg in messages:
             self.agent.on_message(msg)
 

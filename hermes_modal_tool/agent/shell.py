@@ -2,25 +2,29 @@
 
 Stdlib-only, Python 3.8.
 
-How a command runs: the shell reads commands in a loop it is given when it starts::
+How a command runs: the shell reads commands in a loop it is given when it starts
+(``shellstart.LOOP``), with /dev/null as its stdin and the command pipe on fd 10::
 
-    while :; do read -r -N 17 __hmt_h; ...; read -r -N <length> __hmt_c; __hmt_f; printf '\\036%s %d\\036\\n' "$__hmt_n" "$?"; done
+    { while :; do read -r -N 64 -u 10 __hmt_h; ...; __hmt_f; printf '\\036%s %d\\036\\n' "${__hmt_h:0:8}" "$?"; done; } </dev/null
 
-The agent writes one message to the shell's stdin: a 17-byte header (a fresh random
-nonce, the mode, the text's length in hex) and the command's text. ``__hmt_f`` runs it
-with ``eval`` in the shell itself, so ``cd``, ``export``, ``declare`` and functions
-persist and a ``return`` ends the command; it was sourced from the control file ``cmd``,
-so bash's messages name that file, which the output shows as ``bash``. The mode is the
-command's input: ``p``, /dev/null; ``q``, the control file ``stdin``. ``read -N`` takes
-each part in one ``read`` (a line would cost bash one ``read`` per byte on a pipe).
-A command too large for the pipe, not ASCII (``read -N`` counts characters, the header
-bytes), with a NUL byte or with variables of its own goes through files instead (header
-only, length 0): ``n`` and ``s`` source ``cmd`` (input as ``p`` and ``q``), ``e``
-sources the control file ``e``, which sets the variables. ``__hmt_f`` is a read-only
-function, so a ``break`` in the command cannot leave the loop. Output goes to a pipe the
-agent reads, stderr to a second one (:mod:`.output` keeps them interleaved in arrival
-order and apart); the end of a command is the marker line with its nonce on stdout, and
-when it comes the agent drains what stderr holds before the call ends.
+The agent writes one message to the shell's command pipe (:func:`.shellprocs.frame`): a
+64-byte frame with a 17-byte header (a fresh random nonce, the mode, the text's length
+in hex) and, when it fits, the command's text padded with spaces; a longer text follows
+the frame. ``__hmt_f`` runs it with ``eval`` in the shell itself, so ``cd``, ``export``,
+``declare`` and functions persist and a ``return`` ends the command; it was sourced from
+the control file ``cmd``, so bash's messages name that file, which the output shows as
+``bash``. The mode is the command's input: ``p`` (``l`` when the text follows the
+frame), /dev/null; ``q`` (``m``), the control file ``stdin``. ``read -N`` takes each
+part in one ``read`` (a line would cost bash one ``read`` per byte on a pipe), so most
+commands cost bash one ``read``. A command too large for the pipe, not ASCII (``read
+-N`` counts characters, the header bytes), with a NUL byte or with variables of its own
+goes through files instead (frame only, length 0): ``n`` and ``s`` source ``cmd`` (input
+as ``p`` and ``q``), ``e`` sources the control file ``e``, which sets the variables.
+``__hmt_f`` is a read-only function, so a ``break`` in the command cannot leave the
+loop. Output goes to a pipe the agent reads, stderr to a second one (:mod:`.output`
+keeps them interleaved in arrival order and apart); the end of a command is the marker
+line with its nonce on stdout, and when it comes the agent drains what stderr holds
+before the call ends.
 
 Starting: :mod:`.shellstart`. Timeouts and stopping: :mod:`.shellprocs`.
 """
@@ -30,7 +34,7 @@ import time
 
 from . import isolation
 from .output import OutputCollector, marker  # noqa: F401 - marker: re-exported for callers
-from .shellprocs import HEADER, ShellProcesses, header, new_nonce
+from .shellprocs import FRAME, ShellProcesses, frame, new_nonce
 from .shellstart import SPAWN_THREADS, ShellStart, protocol_result, shell_quote  # noqa: F401
 
 
@@ -206,17 +210,17 @@ class Shell(ShellStart, ShellProcesses):
         null = stdin_path == "/dev/null"
         own_env = bool(env) or not (null or stdin_path == ctl + "/stdin")
         if (not own_env and command.isascii() and b"\0" not in command
-                and len(command) + HEADER <= self.pipe_room):
-            message = header(nonce, "p" if null else "q", len(command)) + command
+                and len(command) + FRAME <= self.pipe_room):
+            message = frame(nonce, "p" if null else "q", command)
         else:
             cmd = self.slot.write_ctl("cmd", command)
             if own_env:
                 prefix = "".join("%s=%s " % (k, shell_quote(v)) for k, v in env.items())
                 self.slot.write_ctl("e", ("%s. %s <%s\n" % (prefix, shell_quote(cmd),
                                                            shell_quote(stdin_path))).encode())
-                message = header(nonce, "e")
+                message = frame(nonce, "e")
             else:
-                message = header(nonce, "n" if null else "s")
+                message = frame(nonce, "n" if null else "s")
         try:
             if not self.alive:
                 raise OSError("the shell is gone")

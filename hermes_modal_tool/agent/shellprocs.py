@@ -30,9 +30,17 @@ SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replace
 #: killed. The init config's ``shell_start_timeout`` (seconds) overrides it: tests set it
 #: through the host's ``HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S`` (see ``sandbox.py``).
 READY_TIMEOUT_S = 60.0
-#: Bytes of a command's header on the shell's stdin: its nonce (8), its mode (1) and the
-#: length of the text that follows, in hex (8) (see ``shellstart.LOOP``).
+#: Bytes of a command's header on the shell's command pipe: its nonce (8), its mode (1)
+#: and the length of its text, in hex (8) (see ``shellstart.LOOP``).
 HEADER = 17
+#: Bytes the shell reads for each command in one ``read``: the header and, when it fits,
+#: the text, padded with spaces; a longer text follows the frame (a second ``read``).
+#: Most commands fit, so most take one read; a longer frame costs bash more per call
+#: (``read -N`` handles each character).
+FRAME = 64
+#: The mode of a text in the frame -> the mode of one that follows it (stdin /dev/null or
+#: the ``stdin`` control file).
+_LONG = {"p": "l", "q": "m"}
 #: The mode of an empty command: the shell only prints the end marker.
 NOOP = ":"
 
@@ -50,9 +58,14 @@ def new_nonce():
 _NONCES = []
 
 
-def header(nonce, mode, length=0):
-    """A command's header (:data:`HEADER` bytes); ``length``: of the text that follows."""
-    return ("%s%s%08x" % (nonce, mode, length)).encode()
+def frame(nonce, mode, text=b""):
+    """What the shell reads for one command (bytes): its header, and ``text`` (ASCII
+    bytes; modes ``p`` and ``q`` only) padded to :data:`FRAME` bytes when it fits, else
+    after the frame (the mode becomes ``l`` or ``m``)."""
+    if len(text) > FRAME - HEADER:
+        head = ("%s%s%08x" % (nonce, _LONG[mode], len(text))).encode()
+        return head.ljust(FRAME) + text
+    return (("%s%s%08x" % (nonce, mode, len(text))).encode() + text).ljust(FRAME)
 
 
 def kill_spawned(outer):
@@ -343,7 +356,7 @@ class ShellProcesses:
         flush = OutputCollector(nonce.encode(), collector.limit, self.loop)
         self.collector = flush  # fed by _on_output; completes nothing while interrupting
         try:
-            self._write(header(nonce, NOOP))  # an empty command: just its end marker
+            self._write(frame(nonce, NOOP))  # an empty command: just its end marker
             await asyncio.wait_for(asyncio.shield(flush.wait()), SHELL_GRACE_S)
         except (OSError, asyncio.TimeoutError):
             pass

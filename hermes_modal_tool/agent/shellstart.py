@@ -27,7 +27,7 @@ import threading
 from .. import protocol
 from . import isolation, mounts, rootplan
 from .output import OutputCollector
-from .shellprocs import new_nonce, start_timeout
+from .shellprocs import FRAME, new_nonce, start_timeout
 from .spawner import FIRST_PASS_FD
 
 # On SIGUSR1 (a timeout) return from what runs: the sourced command, or a function it
@@ -40,25 +40,34 @@ INIT_LINES = "set +o history 2>/dev/null; shopt -s expand_aliases\n"
 #: first line: so bash names ``@CTL@/cmd``, with the command's own line numbers, in its
 #: messages about a command it ``eval``\ s, as about one it sources. It is sourced
 #: before the ready marker: the first command may rewrite ``cmd`` once it is seen.
-RUNNER = ("__hmt_f() { case ${__hmt_h:8:1} in p) \\builtin eval \"$__hmt_c\" </dev/null;; "
-          "q) \\builtin eval \"$__hmt_c\" <@CTL@/stdin;; n) . @CTL@/cmd </dev/null;; "
-          "s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n")
+RUNNER = ("__hmt_f() { case ${__hmt_h:8:1} in "
+          "p) \\builtin eval \"${__hmt_h:17:$((16#${__hmt_h:9:8}))}\";; "
+          "q) \\builtin eval \"${__hmt_h:17:$((16#${__hmt_h:9:8}))}\" <@CTL@/stdin;; "
+          "l) \\builtin eval \"$__hmt_c\";; m) \\builtin eval \"$__hmt_c\" <@CTL@/stdin;; "
+          "n) . @CTL@/cmd;; s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n")
 LOAD_RUNNER = ". @CTL@/cmd\nreadonly -f __hmt_f\n"
-#: The command loop. A command comes as a 17-byte header (nonce, mode, length in hex)
-#: and, in modes ``p`` and ``q``, its text: ASCII only, so that its length in bytes is
-#: its length in characters in whatever locale the shell has (``read -N`` counts
-#: characters; switching locales for it would make bash warn where the locale is not
-#: installed). ``read`` interrupted by a trapped signal returns > 128 having taken
-#: nothing: read again; 1 is the end of stdin.
-LOOP = ("while :; do \\builtin read -r -N 17 __hmt_h; case $? in 0) ;; 1) \\builtin exit;; "
-        "*) \\builtin continue;; esac; __hmt_n=${__hmt_h:0:8}; case ${__hmt_h:8:1} in [pq]) "
-        "until \\builtin read -r -N $((16#${__hmt_h:9:8})) __hmt_c; do "
+#: The command loop. It runs with ``/dev/null`` as its stdin, so a command reads nothing
+#: of the protocol and needs no redirection of its own (bash saves the pipe it came on to
+#: fd ``CMD_FD`` = 10, the first free from 10, close-on-exec: no program a command runs
+#: inherits it). A command comes on that pipe as a frame of ``FRAME`` bytes (header:
+#: nonce, mode, length in hex; in modes ``p`` and ``q`` the text, padded), in modes ``l``
+#: and ``m`` followed by its text (:func:`.shellprocs.frame`): ASCII only, so that its
+#: length in bytes is its length in characters in whatever locale the shell has (``read
+#: -N`` counts characters; switching locales for it would make bash warn where the locale
+#: is not installed). ``read`` interrupted by a trapped signal returns > 128 having taken
+#: nothing (the agent writes a frame and its text at once): read again; 1 is the end of
+#: the pipe.
+CMD_FD = 10
+LOOP = ("{ while :; do \\builtin read -r -N %d -u %d __hmt_h || case $? in 1) \\builtin exit;; "
+        "*) \\builtin continue;; esac; case ${__hmt_h:8:1} in [lm]) "
+        "until \\builtin read -r -N $((16#${__hmt_h:9:8})) -u %d __hmt_c; do "
         "case $? in 1) \\builtin exit;; esac; done;; esac; __hmt_f; "
-        "\\builtin printf '\\036%s %d\\036\\n' \"$__hmt_n\" \"$?\"; done\n")
+        "\\builtin printf '\\036%%s %%d\\036\\n' \"${__hmt_h:0:8}\" \"$?\"; done; } </dev/null\n"
+        % (FRAME, CMD_FD, CMD_FD))
 #: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
 #: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
 SPAWN_THREADS = 4
-#: Largest command (bytes, header included) sent down the pipe rather than through the
+#: Largest command (bytes, its frame included) sent down the pipe rather than through the
 #: ``cmd`` file; at most the pipe's own size, so that the write, into the pipe the shell
 #: has emptied, never waits.
 INLINE_MAX = 32768

@@ -2,7 +2,7 @@
 bytes, invalid UTF-8, a 100 MB line, a 10 MB command. None may confuse the host or
 another slot: results running at the same time in other slots stay exact.
 
-Known limit: a command can read its own end-marker nonce (``$__hmt_n``) and end its
+Known limit: a command can read its own end-marker nonce (``${__hmt_h:0:8}``) and end its
 own result early; that only misleads its own slot's next result, never another's.
 """
 
@@ -103,7 +103,7 @@ async def test_own_nonce_forgery_only_affects_its_own_slot(backend, two_slots):
     early; the other slot's concurrent results are unaffected."""
     a, b = two_slots
     results = await backend.execute_batch([
-        (b, "bash", {"command": "printf '\\036%s 0\\036\\n' \"$__hmt_n\"; sleep 0.5; echo late"}),
+        (b, "bash", {"command": "printf '\\036%s 0\\036\\n' \"${__hmt_h:0:8}\"; sleep 0.5; echo late"}),
         (a, "bash", {"command": STEADY}),
     ])
     assert results[1].output == EXPECTED

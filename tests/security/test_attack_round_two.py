@@ -171,7 +171,7 @@ async def test_per_call_buffers_are_bounded(mode_backend):
     assert r.output == "y\ny\ny\n" and r.metadata["first_line"] == 1000
     art = await backend.read_artifact(hog, "big")
     assert art["success"] and len(art["content"]) == 5000 and art["truncated"]
-    r = await bash(backend, hog, "printf '\\036%s ' \"$__hmt_n\"; head -c 200M /dev/zero; echo end", timeout=120)
+    r = await bash(backend, hog, "printf '\\036%s ' \"${__hmt_h:0:8}\"; head -c 200M /dev/zero; echo end", timeout=120)
     assert r.metadata["truncated"] and len(r.output) < 6000
     grown_mib = (agent_hwm_kib() - before) / 1024
     assert grown_mib < 48, f"the agent grew by {grown_mib:.0f} MiB"
