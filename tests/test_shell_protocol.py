@@ -4,6 +4,8 @@ has variables of its own; either way with the semantics of a sourced script."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from support import bash
 
@@ -71,3 +73,26 @@ async def test_a_command_reads_nothing_of_the_protocol(backend, slot):
     r = await bash(backend, slot, "readlink /proc/self/fd/0")
     assert r.output == "/dev/null\n", r.output
     assert (await bash(backend, slot, "echo after")).output == "after\n"
+
+
+async def test_a_batch_result_never_waits_for_a_slow_neighbour(backend, slot):
+    """Results of calls that reach the agent in one write go back together, but a fast
+    call's result does not wait for a slow one of its batch: it is sent within the hold
+    (``agent.calls.HOLD_S``), and the batch's last result at once."""
+    other = await backend.acquire("neighbour")
+    try:
+        assert other.sandbox_id == slot.sandbox_id
+        sb = backend._pools[slot.profile]._sandboxes[slot.sandbox_id]
+        frames = [{"op": "call", "slot": s.index, "tool": "bash", "args": {"command": c}, "timeout": 30}
+                  for s, c in ((other, "sleep 3; echo slow"), (slot, "echo fast"))]
+        (_, slow), (_, fast) = (sb.submit(f, 60, flush=False) for f in frames)
+        sb.flush()  # one write: one batch for the agent
+        done, _ = await asyncio.wait({slow, fast}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {fast} and fast.result()["result"]["output"] == "fast\n", fast.result()
+        assert not slow.done()
+        assert (await slow)["result"]["output"] == "slow\n"
+        both = await backend.execute_batch([(slot, "bash", {"command": f"echo {i}"}) for i in range(3)]
+                                           + [(other, "bash", {"command": "echo last"})])
+        assert [r.output for r in both] == ["0\n", "1\n", "2\n", "last\n"]
+    finally:
+        await backend.release(other)
