@@ -96,3 +96,15 @@ async def test_a_batch_result_never_waits_for_a_slow_neighbour(backend, slot):
         assert [r.output for r in both] == ["0\n", "1\n", "2\n", "last\n"]
     finally:
         await backend.release(other)
+
+
+async def test_a_shell_started_with_fd_10_open_still_takes_its_commands(make_backend):
+    """The loop reads its commands on fd 10, where bash saves the command pipe: it closes
+    10 first, so a descriptor 10 the shell already had (here opened by the profile's
+    ``BASH_ENV`` file, which bash sources before anything else) cannot take the pipe's place."""
+    opener = '$(printf "exec 10</dev/null\\n" > /tmp/.fd10; echo /tmp/.fd10)'
+    backend = await make_backend(env_vars={"BASH_ENV": opener})
+    slot = await backend.acquire("fd10")
+    r = await bash(backend, slot, "echo ok; readlink /proc/$$/fd/10")
+    assert r.success and r.output.startswith("ok\npipe:"), (r.output, r.error)
+    assert (await bash(backend, slot, "echo again")).output == "again\n"

@@ -47,23 +47,24 @@ RUNNER = ("__hmt_f() { case ${__hmt_h:8:1} in "
           "n) . @CTL@/cmd;; s) . @CTL@/cmd <@CTL@/stdin;; e) . @CTL@/e;; *) :;; esac; }\n")
 LOAD_RUNNER = ". @CTL@/cmd\nreadonly -f __hmt_f\n"
 #: The command loop. It runs with ``/dev/null`` as its stdin, so a command reads nothing
-#: of the protocol and needs no redirection of its own (bash saves the pipe it came on to
-#: fd ``CMD_FD`` = 10, the first free from 10, close-on-exec: no program a command runs
-#: inherits it). A command comes on that pipe as a frame of ``FRAME`` bytes (header:
-#: nonce, mode, length in hex; in modes ``p`` and ``q`` the text, padded), in modes ``l``
-#: and ``m`` followed by its text (:func:`.shellprocs.frame`): ASCII only, so that its
-#: length in bytes is its length in characters in whatever locale the shell has (``read
-#: -N`` counts characters; switching locales for it would make bash warn where the locale
-#: is not installed). ``read`` interrupted by a trapped signal returns > 128 having taken
-#: nothing (the agent writes a frame and its text at once): read again; 1 is the end of
-#: the pipe.
+#: of the protocol and needs no redirection of its own: bash saves the pipe it came on to
+#: fd ``CMD_FD`` = 10 (the first free from 10; the loop closes 10 first in case the shell
+#: inherited it, with ``command exec``, as ``builtin exec`` would undo its own
+#: redirection), close-on-exec, so no program a command runs inherits it. A command comes
+#: on that pipe as a frame of ``FRAME`` bytes (header: nonce, mode, length in hex; in
+#: modes ``p`` and ``q`` the text, padded), in modes ``l`` and ``m`` followed by its text
+#: (:func:`.shellprocs.frame`): ASCII only, so that its length in bytes is its length in
+#: characters in whatever locale the shell has (``read -N`` counts characters; switching
+#: locales for it would make bash warn where the locale is not installed). ``read``
+#: interrupted by a trapped signal returns > 128 having taken nothing (the agent writes a
+#: frame and its text at once): read again; 1 is the end of the pipe.
 CMD_FD = 10
-LOOP = ("{ while :; do \\builtin read -r -N %d -u %d __hmt_h || case $? in 1) \\builtin exit;; "
+LOOP = ("command exec %d<&-; { while :; do \\builtin read -r -N %d -u %d __hmt_h || case $? in 1) \\builtin exit;; "
         "*) \\builtin continue;; esac; case ${__hmt_h:8:1} in [lm]) "
         "until \\builtin read -r -N $((16#${__hmt_h:9:8})) -u %d __hmt_c; do "
         "case $? in 1) \\builtin exit;; esac; done;; esac; __hmt_f; "
         "\\builtin printf '\\036%%s %%d\\036\\n' \"${__hmt_h:0:8}\" \"$?\"; done; } </dev/null\n"
-        % (FRAME, CMD_FD, CMD_FD))
+        % (CMD_FD, FRAME, CMD_FD, CMD_FD))
 #: Shells of a sandbox that may start at once (each takes ~10 ms of CPU, more on a busy
 #: machine); ``Popen`` runs in as many threads (it blocks; the event loop must not).
 SPAWN_THREADS = 4
