@@ -30,6 +30,9 @@ SHELL_GRACE_S = 5.0  # generous: a starved but healthy shell must not be replace
 #: killed. The init config's ``shell_start_timeout`` (seconds) overrides it: tests set it
 #: through the host's ``HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S`` (see ``sandbox.py``).
 READY_TIMEOUT_S = 60.0
+#: Seconds :meth:`ShellProcesses.stop` waits for a killed shell's outer process to exit
+#: (after its output pipe closed) before going on without its exit status.
+REAP_WAIT_S = 1.0
 #: Bytes of a command's header on the shell's command pipe: its nonce (8), its mode (1)
 #: and the length of its text, in hex (8) (see ``shellstart.LOOP``).
 HEADER = 17
@@ -126,6 +129,18 @@ class ShellProcesses:
             return self.proc.wait(timeout=1.0 if block else 0)
         except subprocess.TimeoutExpired:
             return None
+
+    async def _reaped(self, proc, limit):
+        """Reap ``proc``, the shell's outer process, waiting for it (at most ``limit``
+        seconds) without blocking the loop that serves the other slots: once its output
+        pipe is at its end it exits within milliseconds, but on a busy machine a blocking
+        wait would hold every slot up meanwhile."""
+        end = self.loop.time() + limit
+        delay = 0.0005
+        while (self.proc is proc and self._reap(block=False) is None
+               and self.loop.time() < end):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def discard_late_spawn(self, fut):
         """Done-callback of a ``Popen`` the start gave up on: kill and reap what it started
@@ -306,7 +321,12 @@ class ShellProcesses:
                     await asyncio.wait_for(asyncio.shield(self.eof), 3.0)
                 except asyncio.TimeoutError:
                     pass
-        self._reap(block=True)
+        proc = self.proc
+        if proc is None:
+            return  # another stop() ended it meanwhile
+        await self._reaped(proc, REAP_WAIT_S)
+        if self.proc is not proc:
+            return  # ... or while this one waited
         if self.slot.agent.cgroups:
             self.slot.agent.cgroups.kill_slot(self.slot.index)  # anything that escaped
         self.close_fds()
