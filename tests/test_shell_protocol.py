@@ -1,5 +1,5 @@
-"""How a command reaches the slot's shell: its text on the shell's stdin (no file write per
-call), or through the ``cmd`` file when it is too large for the pipe, holds a NUL byte or
+"""How a command reaches the slot's shell: its text on the shell's command pipe (no file
+write per call), or through the ``cmd`` file when it is too large for the pipe, holds a NUL byte or
 has variables of its own; either way with the semantics of a sourced script."""
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ from .shell import SPAWN_THREADS
 #: chooses among (``pool.PICK_WINDOW``): after them it reuses slots whose shells the
 #: agent started again after their reset.
 SPARE_SHELLS = 8
+
+
 class Agent(Setup, Calls, DiskWatch):
     """The agent of one sandbox: its slots, their calls, and the worker threads."""
 

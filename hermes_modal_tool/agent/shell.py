@@ -46,7 +46,7 @@ class Shell(ShellStart, ShellProcesses):
         self.loop = loop
         self.proc = None
         self.stdin_fd = None
-        self.pipe_room = 0  # bytes a command may take on stdin (set at start)
+        self.pipe_room = 0  # bytes a command may take on the command pipe (set at start)
         self.out_fd = None
         self.err_fd = None
         self.info_fd = None
@@ -184,9 +184,9 @@ class Shell(ShellStart, ShellProcesses):
         about it need no line number; ``raw``: also keep each stream's exact bytes
         (``encoding="bytes"``).
 
-        A text goes down the shell's stdin with its header, in one write, when it fits the
-        pipe and needs no file (ASCII, no NUL byte, no ``env``): else it is written to
-        ``cmd``.
+        A text goes down the shell's command pipe in its frame (:func:`.shellprocs.frame`),
+        in one write, when it fits the pipe and needs no file (ASCII, no NUL byte, no
+        ``env``): else it is written to ``cmd``.
 
         ``on_done(result)`` is called once with a ``call`` result dict: from the
         output reader when the end marker arrives (no task or future on this path),

@@ -65,10 +65,9 @@ def frame(nonce, mode, text=b""):
     """What the shell reads for one command (bytes): its header, and ``text`` (ASCII
     bytes; modes ``p`` and ``q`` only) padded to :data:`FRAME` bytes when it fits, else
     after the frame (the mode becomes ``l`` or ``m``)."""
-    if len(text) > FRAME - HEADER:
-        head = ("%s%s%08x" % (nonce, _LONG[mode], len(text))).encode()
-        return head.ljust(FRAME) + text
-    return (("%s%s%08x" % (nonce, mode, len(text))).encode() + text).ljust(FRAME)
+    follows = len(text) > FRAME - HEADER
+    head = ("%s%s%08x" % (nonce, _LONG[mode] if follows else mode, len(text))).encode()
+    return head.ljust(FRAME) + text if follows else (head + text).ljust(FRAME)
 
 
 def kill_spawned(outer):

@@ -59,8 +59,8 @@ LOAD_RUNNER = ". @CTL@/cmd\nreadonly -f __hmt_f\n"
 #: interrupted by a trapped signal returns > 128 having taken nothing (the agent writes a
 #: frame and its text at once): read again; 1 is the end of the pipe.
 CMD_FD = 10
-LOOP = ("command exec %d<&-; { while :; do \\builtin read -r -N %d -u %d __hmt_h || case $? in 1) \\builtin exit;; "
-        "*) \\builtin continue;; esac; case ${__hmt_h:8:1} in [lm]) "
+LOOP = ("command exec %d<&-; { while :; do \\builtin read -r -N %d -u %d __hmt_h || "
+        "case $? in 1) \\builtin exit;; *) \\builtin continue;; esac; case ${__hmt_h:8:1} in [lm]) "
         "until \\builtin read -r -N $((16#${__hmt_h:9:8})) -u %d __hmt_c; do "
         "case $? in 1) \\builtin exit;; esac; done;; esac; __hmt_f; "
         "\\builtin printf '\\036%%s %%d\\036\\n' \"${__hmt_h:0:8}\" \"$?\"; done; } </dev/null\n"
@@ -292,7 +292,7 @@ class ShellStart:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)
             self.resume_dir = None
         start += "\\builtin printf '\\036%%s 0\\036\\n' %s\n" % nonce
-        start += LOOP.replace("@CTL@", ctl)
+        start += LOOP
         try:
             self._write(start.encode())
         except OSError:
