@@ -42,6 +42,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.snapshots", "agent/snapshots.py"),
     ("hermes_modal_tool.agent.transfer", "agent/transfer.py"),
     ("hermes_modal_tool.agent.spawner", "agent/spawner.py"),
+    ("hermes_modal_tool.agent.threadstart", "agent/threadstart.py"),
     ("hermes_modal_tool.agent.shellstart", "agent/shellstart.py"),
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),
     ("hermes_modal_tool.agent.slot", "agent/slot.py"),

@@ -93,8 +93,9 @@ class Cgroups:
                        str(max(1000, int(cpu * 100000))))
 
     # -- per slot ----------------------------------------------------------
-    def slot_procs_files(self, slot):
-        """Create the slot's cgroups; return the ``cgroup.procs`` files to join."""
+    def slot_procs_files(self, slot, name="cgroup.procs"):
+        """Create the slot's cgroups; return the files to join them by (``name``:
+        ``cgroup.procs``, or in v1 ``tasks``, which moves one thread)."""
         if self.mode == "rlimit":
             return []
         dirs = self._dirs(slot)
@@ -103,10 +104,11 @@ class Cgroups:
                 _mkdir(d)
             self._apply(dirs, sandbox=False)
             self._made.add(slot)
-        return [os.path.join(d, "cgroup.procs") for d in dirs.values()]
+        return [os.path.join(d, name) for d in dirs.values()]
 
     def slot_pids(self, slot):
-        """Host pids currently in the slot's cgroup (empty when not using cgroups)."""
+        """Host pids currently in the slot's cgroup (empty when not using cgroups), never
+        the agent's own (a thread of it is there while it starts a shell: threadstart.py)."""
         if self.mode == "rlimit":
             return []
         pids = set()
@@ -116,14 +118,13 @@ class Cgroups:
                     pids.update(int(x) for x in fh.read().split())
             except OSError:
                 pass
+        pids.discard(os.getpid())
         return sorted(pids)
 
     def kill_slot(self, slot):
         """SIGKILL every process in the slot's cgroup."""
-        me = os.getpid()
         for pid in self.slot_pids(slot):
-            if pid != me:
-                _kill(pid, signal.SIGKILL)
+            _kill(pid, signal.SIGKILL)
 
     def remove_slot(self, slot):
         self._made.discard(slot)

@@ -63,6 +63,8 @@ class Agent(Setup, Calls, DiskWatch):
         self.notice_seq = itertools.count()
         self.notice_timer = None
         self.spawner = None  # the process that starts layered-root shells (agent/spawner.py)
+        self.thread_starter = None  # ... or the agent's own threads do (agent/threadstart.py)
+        self.thread_start_note = None  # how layered-root shells start, once one did
 
     # -- io ------------------------------------------------------------------
     def send(self, message, batch=None):
@@ -161,7 +163,7 @@ class Agent(Setup, Calls, DiskWatch):
         return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.busy, "queued": len(s.queue),
                                    "waiting": s.pending is not None}
                           for i, s in self.slots.items()},
-                "admission": self.admission.statistics()}
+                "admission": self.admission.statistics(), "shell_start": self.thread_start_note}
 
     async def handle_reset(self, msg):
         mid = msg.get("id")

@@ -2,10 +2,12 @@
 
 Stdlib-only, Python 3.8.
 
-Starting: a slot with a layered root has its ``bwrap`` cloned by the agent's spawner
-(:mod:`.spawner`: a small process in a mount namespace without the other slots' roots,
-which joins cgroups and drops the uid between clone and exec); other slots, and all of
-them when the spawner is gone, start with ``Popen`` (the same steps in ``preexec_fn``).
+Starting: a slot with a layered root has its ``bwrap`` started from a new thread of the
+agent that takes on the slot's settings first (:mod:`.threadstart`: no process is
+copied), or, where that cannot work, cloned by the agent's spawner (:mod:`.spawner`: a
+small process in a mount namespace without the other slots' roots, which joins cgroups
+and drops the uid between clone and exec); other slots, and all of them when the
+spawner is gone, start with ``Popen`` (the same steps in ``preexec_fn``).
 Either blocks for milliseconds, so it runs in a worker thread, never on the agent's
 event loop; the slot's root layer is built there too. The shell is *ready* when
 it has printed a marker after its init lines; a command's timeout clock starts when the
@@ -25,7 +27,7 @@ import subprocess
 import threading
 
 from .. import protocol
-from . import isolation, mounts, rootplan
+from . import isolation, mounts, rootplan, threadstart
 from .output import OutputCollector
 from .shellprocs import FRAME, new_nonce, start_timeout
 from .spawner import FIRST_PASS_FD
@@ -189,6 +191,9 @@ class ShellStart:
                     "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb,
                     agent.contain_root) + binds + bash
                 cwd = "/"
+                proc = self._thread_root(argv, (in_r, out_w, err_w), pass_fds, entry)
+                if proc is not None:
+                    return proc, in_w, out_r, info_r, err_r, layer
                 if agent.spawner is not None and not agent.spawner.broken:
                     self.start_phase = "in bwrap's start (the spawner: clone, cgroups, uid drop, exec)"
                     proc = self._spawn_root(argv, (in_r, out_w, err_w), info_w, entry)
@@ -228,6 +233,36 @@ class ShellStart:
             if info_w is not None:
                 os.close(info_w)
         return proc, in_w, out_r, info_r, err_r, layer
+
+    def _thread_root(self, argv, stdio, pass_fds, entry):
+        """Start a layered-root slot's bwrap from a new thread of the agent (see
+        :mod:`.threadstart`); ``entry`` as for :meth:`_spawn_root`. None where that cannot
+        work (rlimits to set, or no cgroup v1, say) or this start failed there: it and every
+        later start go through the spawner then."""
+        agent = self.slot.agent
+        starter = threadstart.for_agent(agent)
+        if starter is None or entry[1]:
+            return None
+        _, _, uid, gid = entry
+        self.start_phase = "in bwrap's start (a thread of the agent: cgroups, uid drop, vfork)"
+        root = self.slot.root.merged
+        tree = None
+        try:
+            tree = mounts.clone_tree(root)
+            return starter.start(
+                "hmt-start-%d" % self.slot.index, argv, self.slot.env, stdio, pass_fds,
+                agent.cgroups.slot_procs_files(self.slot.index, "tasks"), uid, gid, tree, root,
+                on_thread=self._set_spawn_tid)
+        except (OSError, RuntimeError) as exc:
+            starter.broken = "%s" % (exc,)
+            agent.thread_start_note = "through the spawner (a start from a thread failed: %s)" % (exc,)
+            return None
+        finally:
+            if tree is not None:
+                os.close(tree)
+
+    def _set_spawn_tid(self, tid):
+        self.spawn_tid = tid
 
     def _spawn_root(self, argv, stdio, info_w, entry):
         """Start a layered-root slot's bwrap through the agent's spawner (see

@@ -21,6 +21,10 @@ path as in the agent, joins the slot's cgroups, sets rlimits, enters a new Landl
 drops to the slot's uid, joins a new session keyring and execs bwrap, which then sees a
 few dozen mounts instead of every slot's.
 
+Where a new thread of the agent can take on a slot's settings itself (:mod:`.threadstart`:
+cgroup v1, Python 3.10+), shells start from there instead, with no process copied; the
+spawner then lends them its mount namespace, and still makes user namespaces.
+
 Where the spawner cannot run (not root, no ``clone`` number for this machine, a kernel
 without ``move_mount``), :func:`start` returns None or the first failed start marks it
 broken, and shells start with ``Popen`` as before.
@@ -138,6 +142,16 @@ class Spawner:
         returns the namespace fd. Raises OSError as that does, or with ``EPIPE`` when
         the spawner is gone."""
         (_, error), fds = self._ask(marshal.dumps(("userns", uid, gid, inside)), [])
+        if error or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(errno.EPERM, error or "the spawner sent no namespace")
+        return fds[0]
+
+    def mount_namespace(self):
+        """An fd of the spawner's mount namespace (the sandbox's mounts, no slot's; see
+        :mod:`.threadstart`). Raises OSError as :meth:`userns` does."""
+        (_, error), fds = self._ask(marshal.dumps(("mntns",)), [])
         if error or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -298,6 +312,9 @@ def _serve_one(sock, clone, number, enter_slot):  # pragma: no cover
         request = marshal.loads(msg)
         if request[0] == "userns":
             out_fds.append(mounts.userns_fd(*request[1:]))
+            reply = (0, "")
+        elif request[0] == "mntns":
+            out_fds.append(os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
             reply = (0, "")
         else:
             started = _start_one(request[1:], fds, clone, number, enter_slot)

@@ -1,0 +1,108 @@
+"""Slot shells with a layered root start from a new thread of the agent
+(``agent/threadstart.py``): the thread takes on the slot's mount namespace, cgroups,
+Landlock domain, uid and session keyring, then ``vfork``\\ s bwrap. These tests check what
+that must keep: bwrap is the agent's child and runs as the slot's uid, the agent never
+stays in a slot's cgroups (a ``kill_slot`` would find it there), the starting thread keeps
+nothing of root, and it lives exactly as long as its shell (bwrap's ``--die-with-parent``
+is tied to the thread that started it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from support import agent_processes, bash, layered, processes, settle
+from test_spare_shells import host_uid, slot_shells
+from test_spawner import outer_bwrap, read_text
+
+pytestmark = pytest.mark.usefixtures("needs_root_and_v1")
+
+
+@pytest.fixture
+def needs_root_and_v1() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("shells start from a thread only when the backend runs as root")
+    if not os.path.isfile("/sys/fs/cgroup/memory/tasks"):
+        pytest.skip("shells start from a thread only with cgroup v1")
+
+
+def threads(pid: int) -> dict[int, str]:
+    """The threads of ``pid``: tid -> name (``comm``)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = read_text(f"/proc/{pid}/task/{tid}/comm").strip()
+        except OSError:
+            continue
+    return out
+
+
+def status_field(path: str, name: str) -> list[str]:
+    line = next(x for x in read_text(path).splitlines() if x.startswith(name + ":"))
+    return line.split()[1:]
+
+
+async def test_a_shell_starts_from_a_thread_that_leaves_the_slots_cgroups(make_backend):
+    backend = await make_backend(slots_per_sandbox=3, min_sandboxes=1, max_sandboxes=1)
+    if not layered(backend):
+        pytest.skip("no layered root here")
+    [agent] = agent_processes()
+    slots = [await backend.acquire(f"s{i}") for i in range(3)]
+    results = await backend.execute_batch([(s, "bash", {"command": "true"}) for s in slots])
+    assert all(r.success for r in results), results
+    names = threads(agent)
+    for s in slots:
+        starters = [tid for tid, name in names.items() if name == f"hmt-start-{s.index}"]
+        assert len(starters) == 1, names
+        uid = await host_uid(backend, s)
+        [shell] = slot_shells(uid)
+        assert processes()[outer_bwrap(shell)].ppid == agent, "the agent reaps its shells itself"
+        # The thread that started the shell keeps the slot's credentials, none of root.
+        task = f"/proc/{agent}/task/{starters[0]}/status"
+        assert status_field(task, "Uid") == [str(uid)] * 4
+        assert int(status_field(task, "CapEff")[0], 16) == 0
+        assert int(status_field(task, "CapPrm")[0], 16) == 0
+    # No thread of the agent is in a slot's cgroup: it left them right after the start.
+    for tid in threads(agent):
+        cgroups = read_text(f"/proc/{agent}/task/{tid}/cgroup")
+        assert "/slot_" not in cgroups, (tid, threads(agent), cgroups)
+
+
+async def test_the_starting_thread_lives_as_long_as_its_shell(make_backend):
+    """bwrap dies with the thread that started it: the shell must outlive the start (a
+    second command runs in the same shell), and the thread must end with the shell."""
+    backend = await make_backend(slots_per_sandbox=1, min_sandboxes=1, max_sandboxes=1)
+    if not layered(backend):
+        pytest.skip("no layered root here")
+    [agent] = agent_processes()
+    slot = await backend.acquire("a")
+    first = await bash(backend, slot, "echo $$")
+    await asyncio.sleep(0.5)
+    second = await bash(backend, slot, "echo $$")
+    assert first.success and second.success and first.output == second.output, (first, second)
+    [old] = [tid for tid, name in threads(agent).items() if name == "hmt-start-0"]
+    await backend.release(slot, reset_workspace=True)
+    # The reset killed the shell: its thread ends; the slot's next shell (started ahead)
+    # has a thread of its own.
+    assert await settle(lambda: old not in threads(agent), timeout=5), threads(agent)
+    slot = await backend.acquire("b")
+    third = await bash(backend, slot, "echo $$")
+    assert third.success, third
+    assert [name for name in threads(agent).values()].count("hmt-start-0") == 1, threads(agent)
+
+
+async def test_a_killed_agent_takes_its_shells_with_it(make_backend):
+    """SIGKILL to the agent ends every thread, and so every bwrap started from one."""
+    backend = await make_backend(slots_per_sandbox=2, min_sandboxes=1, max_sandboxes=1)
+    if not layered(backend):
+        pytest.skip("no layered root here")
+    [agent] = agent_processes()
+    slots = [await backend.acquire(f"s{i}") for i in range(2)]
+    uids = [await host_uid(backend, s) for s in slots]
+    shells = set().union(*(slot_shells(uid) for uid in uids))
+    assert len(shells) == 2, shells
+    os.kill(agent, signal.SIGKILL)
+    assert await settle(lambda: not (shells & set(processes())), timeout=5), shells
