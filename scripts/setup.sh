@@ -10,10 +10,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 level="${1:-dev}"
 venv=.venv
+# Every install is pinned to the versions the suite last passed with (a constraints file
+# per environment; regenerate with `pip freeze --exclude-editable` after an upgrade): an
+# unpinned install resolves against today's index, and a new release can leave pip
+# backtracking for many minutes (langchain-core 1.8 against hermes-agent's exact pins).
+constraints=scripts/constraints.txt
 case "$level" in
   core) spec="." ;;
   dev) spec=".[dev]" ;;
-  agents) spec=".[agents-dev]"; venv=.venv-agents ;;
+  agents) spec=".[agents-dev]"; venv=.venv-agents; constraints=scripts/constraints-agents.txt ;;
   *) echo "setup: unknown level '$level' (use core, dev or agents)" >&2; exit 2 ;;
 esac
 # The image tests (tests/test_images.py) build images with umoci and skopeo from Debian's
@@ -45,7 +50,7 @@ fi
 if [ ! -x "$venv/bin/python" ]; then
   "$PY" -m venv "$venv"
 fi
-hash=$(sha256sum pyproject.toml | cut -c1-16)
+hash=$(cat pyproject.toml "$constraints" | sha256sum | cut -c1-16)
 if [ -f "$venv/.installed-dev-$hash" ] || [ -f "$venv/.installed-$level-$hash" ]; then
   exit 0
 fi
@@ -53,6 +58,6 @@ echo "setup: installing the package ($level) into $venv (first run only)" >&2
 if [ "$level" != core ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
-"$venv/bin/python" -m pip install --quiet -e "$spec"
+"$venv/bin/python" -m pip install --quiet -c "$constraints" -e "$spec"
 rm -f "$venv"/.installed-*
 touch "$venv/.installed-$level-$hash"
