@@ -59,7 +59,12 @@ async def test_a_shell_starts_from_a_thread_that_leaves_the_slots_cgroups(make_b
         assert len(starters) == 1, names
         uid = await host_uid(backend, s)
         [shell] = slot_shells(uid)
-        assert processes()[outer_bwrap(shell)].ppid == agent, "the agent reaps its shells itself"
+        bwrap = outer_bwrap(shell)
+        assert processes()[bwrap].ppid == agent, "the agent reaps its shells itself"
+        # bwrap starts in a copy of the spawner's namespace without /sys (its cgroup
+        # hierarchies are a dozen mounts bwrap would read about nine times per start).
+        seen = read_text(f"/proc/{bwrap}/mountinfo")
+        assert " /sys" not in seen and f"/slot_{s.index}/" in seen, seen
         # The thread that started the shell keeps the slot's credentials, none of root.
         task = f"/proc/{agent}/task/{starters[0]}/status"
         assert status_field(task, "Uid") == [str(uid)] * 4

@@ -67,7 +67,8 @@ def _make(agent):
     why = _unusable(agent)
     if why is None:
         try:
-            starter = ThreadStarter(agent.spawner.mount_namespace(), _own_tasks_fds())
+            starter = ThreadStarter(_start_namespace(agent.spawner.mount_namespace()),
+                                    _own_tasks_fds())
         except OSError as exc:
             why = "%s" % (exc,)
     agent.thread_starter = starter
@@ -88,6 +89,47 @@ def _unusable(agent):
     if agent.spawner is None or agent.spawner.broken:
         return "no spawner for a clean mount namespace"
     return None
+
+
+def _enter_copy(lib, mntns_fd):
+    """Move the calling thread (alone) into a new copy of the mount namespace ``mntns_fd``."""
+    for result, what in ((lambda: lib.unshare(CLONE_FS), "unshare(CLONE_FS)"),
+                         (lambda: lib.setns(mntns_fd, mounts.CLONE_NEWNS), "setns(mnt)"),
+                         (lambda: lib.unshare(mounts.CLONE_NEWNS), "unshare(CLONE_NEWNS)")):
+        if result() != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def _start_namespace(spawner_ns):
+    """The mount namespace every start copies: the spawner's (the sandbox's own mounts,
+    no slot's), without ``/sys`` and the mounts below it (a dozen cgroup hierarchies with
+    cgroup v1, which bwrap does not use). bwrap reads ``/proc/self/mountinfo`` after each
+    of its bind mounts, about nine times per start, and each read costs in proportion to
+    the mounts there. Made in a thread of its own, which then ends; returns its fd and
+    closes ``spawner_ns``."""
+    out = []
+
+    def run():
+        try:
+            lib = mounts.libc()
+            _enter_copy(lib, spawner_ns)
+            if lib.umount2(b"/sys", mounts.MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
+                err = ctypes.get_errno()
+                raise OSError(err, "umount /sys: %s" % os.strerror(err))
+            out.append(os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            out.append(exc)
+
+    try:
+        thread = threading.Thread(target=run, name="hmt-start-ns", daemon=True)
+        thread.start()
+        thread.join()
+    finally:
+        os.close(spawner_ns)
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def _own_tasks_fds():
@@ -176,14 +218,12 @@ class ThreadStarter:
             self.lib.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
             if on_thread is not None:
                 on_thread(tid)
-            self._check(self.lib.unshare(CLONE_FS), "unshare(CLONE_FS)")
-            self._check(self.lib.setns(self.mntns_fd, mounts.CLONE_NEWNS), "setns(mnt)")
-            self._check(self.lib.unshare(mounts.CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-            mounts.move_mount_fd(tree, tree_at)
-            for path in tasks_files:
+            for path in tasks_files:  # by path: the start's namespace has no /sys
                 joined = True
                 with open(path, "w") as fh:
                     fh.write(str(tid))
+            _enter_copy(self.lib, self.mntns_fd)
+            mounts.move_mount_fd(tree, tree_at)
             if self.enter_scope is not None:
                 self.enter_scope()
             if uid is not None:
