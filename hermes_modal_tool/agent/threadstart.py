@@ -239,9 +239,11 @@ class ThreadStarter:
         except BaseException as exc:  # noqa: BLE001 - the caller raises it
             out.append(exc)
         finally:
-            if joined:
-                self._leave(tid)
-            done.set()
+            try:
+                if joined:
+                    self._leave(tid)
+            finally:
+                done.set()  # whatever happened: the caller must not wait forever
         return proc
 
     def _leave(self, tid):

