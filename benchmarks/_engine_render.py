@@ -164,7 +164,8 @@ def render(res: dict[str, Any], quick: bool) -> str:
             add(row(f"   release + acquire after 200 MB / 5,000 files (n={z['n']})",
                     f"{fmt_ms(z['median'])} / {fmt_ms(z['max'])}", "p50 <= 5 ms",
                     verdict(z["median"] <= TARGETS["acquire_release_p50_ms"])))
-            add(f"      slot filesystem: {ar.get('filesystem')} (p50 / max)")
+            add(f"      slot filesystem: {ar.get('filesystem')} (p50 / max); shells start "
+                f"{ar.get('shell_start')}")
         add("")
     if "cold" in res:
         cs = res["cold"]

@@ -420,9 +420,12 @@ async def acquire_release(n: int, warm: int) -> dict[str, Any]:
             await asyncio.sleep(PACE_S)
         zs = await after_big(3 if n < 100 else 8)
         filesystem = b.get_status()["pools"][PROFILE]["filesystem"]
+        sandbox = next(iter(b._pools[PROFILE]._sandboxes.values()))
+        status = await sandbox.request({"op": "status"}, 10.0)
+        shell_start = (status.get("result") or {}).get("shell_start")
     finally:
         await b.stop()
-    return {"filesystem": filesystem, "after_200mb": summary_ms(zs),
+    return {"filesystem": filesystem, "shell_start": shell_start, "after_200mb": summary_ms(zs),
             "acquire_release": summary_ms(xs),
             "acquire_cmd_release": summary_ms([y[0] for y in ys]),
             "acquire_cmd_release_paced": summary_ms([y[0] for y in paced]), "pace_s": PACE_S,
