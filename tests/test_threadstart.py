@@ -111,3 +111,42 @@ async def test_a_killed_agent_takes_its_shells_with_it(make_backend):
     assert len(shells) == 2, shells
     os.kill(agent, signal.SIGKILL)
     assert await settle(lambda: not (shells & set(processes())), timeout=5), shells
+
+
+CHECK_MOVES = """
+import os, sys
+from hermes_modal_tool.agent import threadstart
+dirs = sys.argv[1:]
+own = threadstart._own_tasks_fds()
+threadstart._check_thread_moves([os.path.join(d, "tasks") for d in dirs], own)
+try:
+    # cgroup.procs moves the whole process: the check must refuse (as on a kernel that
+    # moved every thread).
+    threadstart._check_thread_moves([os.path.join(d, "cgroup.procs") for d in dirs], own)
+except OSError as exc:
+    print("refused:", exc)
+else:
+    print("accepted")
+"""
+
+
+def test_the_check_refuses_a_cgroup_join_that_moves_the_whole_process(tmp_path):
+    """Before any start from a thread, the agent checks that a thread joins a cgroup alone
+    (here: a ``tasks`` file passes, and ``cgroup.procs``, which moves the whole process,
+    is refused). Run in a child process, which ends in the scratch cgroups it made."""
+    import subprocess
+    import sys
+
+    name = f"hmt-test-{os.getpid()}"
+    dirs = [f"/sys/fs/cgroup/{ctrl}/{name}" for ctrl in ("memory", "pids", "cpu")]
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    try:
+        run = subprocess.run([sys.executable, "-c", CHECK_MOVES, *dirs], capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        for d in dirs:
+            os.rmdir(d)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("refused:") and "does not join a cgroup v1 alone" in run.stdout, \
+        run.stdout

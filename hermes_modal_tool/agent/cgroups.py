@@ -106,6 +106,10 @@ class Cgroups:
             self._made.add(slot)
         return [os.path.join(d, name) for d in dirs.values()]
 
+    def sandbox_files(self, name):
+        """The sandbox's own cgroups' files called ``name`` (``tasks``, say)."""
+        return [os.path.join(d, name) for d in self._dirs(None).values()]
+
     def slot_pids(self, slot):
         """Host pids currently in the slot's cgroup (empty when not using cgroups), never
         the agent's own (a thread of it is there while it starts a shell: threadstart.py)."""

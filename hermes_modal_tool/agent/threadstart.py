@@ -66,11 +66,15 @@ def _make(agent):
     starter = None
     why = _unusable(agent)
     if why is None:
+        fds = []
         try:
-            starter = ThreadStarter(_start_namespace(agent.spawner.mount_namespace()),
-                                    _own_tasks_fds())
+            fds = _own_tasks_fds()
+            _check_thread_moves(agent.cgroups.sandbox_files("tasks"), fds)
+            starter = ThreadStarter(_start_namespace(agent.spawner.mount_namespace()), fds)
         except OSError as exc:
             why = "%s" % (exc,)
+            for fd in fds:
+                os.close(fd)
     agent.thread_starter = starter
     agent.thread_start_note = ("from a thread of the agent (vfork)" if starter is not None
                                else "through the spawner (%s)" % why)
@@ -130,6 +134,43 @@ def _start_namespace(spawner_ns):
     if isinstance(out[0], BaseException):
         raise out[0]
     return out[0]
+
+
+def _check_thread_moves(tasks_files, own_fds):
+    """Check once, with the sandbox's own cgroups (``tasks_files``), that a thread moves
+    alone, as Linux moves it, and moves back through ``own_fds``: a kernel that moved
+    the whole agent (a reimplementation of cgroups, say) would put it in a slot's cgroups
+    at every start. Raises OSError when it does not."""
+    out = []
+
+    def lines(path):
+        with open(path) as fh:
+            return sorted(line for line in fh.read().splitlines()
+                          if set(line.split(":", 2)[1].split(",")) & set(V1_CONTROLLERS))
+
+    def run():
+        try:
+            tid = threading.get_native_id()
+            main = lines("/proc/self/task/%d/cgroup" % os.getpid())
+            for path in tasks_files:
+                with open(path, "w") as fh:
+                    fh.write(str(tid))
+            moved = lines("/proc/thread-self/cgroup")
+            stayed = lines("/proc/self/task/%d/cgroup" % os.getpid()) == main
+            for fd in own_fds:
+                os.write(fd, str(tid).encode())
+            back = lines("/proc/thread-self/cgroup") == main
+            out.append(moved != main and stayed and back)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            out.append(exc)
+
+    thread = threading.Thread(target=run, name="hmt-start-chk", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    if not out[0]:
+        raise OSError(errno.EPERM, "a thread does not join a cgroup v1 alone here")
 
 
 def _own_tasks_fds():
