@@ -33,6 +33,8 @@ READY_TIMEOUT_S = 60.0
 #: Seconds :meth:`ShellProcesses.stop` waits for a killed shell's outer process to exit
 #: (after its output pipe closed) before going on without its exit status.
 REAP_WAIT_S = 1.0
+#: Seconds a stop waits for a just-spawned bwrap to tell its init's pid (``--info-fd``).
+INIT_WAIT_S = 0.2
 #: Bytes of a command's header on the shell's command pipe: its nonce (8), its mode (1)
 #: and the length of its text, in hex (8) (see ``shellstart.LOOP``).
 HEADER = 17
@@ -271,8 +273,9 @@ class ShellProcesses:
             return
         init = self._init()
         if init is None and self.info_fd is not None:
-            # Just spawned: bwrap writes the init's pid within milliseconds.
-            select.select([self.info_fd], [], [], 0.2)
+            # Just spawned: bwrap writes the init's pid within milliseconds (stop() waited
+            # for it without blocking; other callers wait here).
+            select.select([self.info_fd], [], [], INIT_WAIT_S)
             init = self._init()
         if init:
             isolation._kill(init, signal.SIGKILL)
@@ -310,6 +313,7 @@ class ShellProcesses:
         if self.proc is None:
             return
         self.is_ready = False
+        await self._init_told(INIT_WAIT_S)
         self.kill()
         if self.eof is not None and not self.eof.done():
             try:
@@ -330,6 +334,22 @@ class ShellProcesses:
             self.slot.agent.cgroups.kill_slot(self.slot.index)  # anything that escaped
         self.close_fds()
         self.proc = None
+
+    async def _init_told(self, limit):
+        """Wait (at most ``limit`` seconds) until bwrap has told its init's pid, watching
+        ``--info-fd`` from the loop: a shell stopped just after its spawn is then killed
+        through its init, and :meth:`kill` does not wait for the pid itself (blocking)."""
+        if self.info_fd is None or self._init():
+            return
+        told = self.loop.create_future()
+        fd = self.info_fd
+        self.loop.add_reader(fd, lambda: told.done() or told.set_result(None))
+        try:
+            await asyncio.wait_for(told, limit)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.loop.remove_reader(fd)
 
     async def interrupt(self, collector):
         """Stop the running command: USR1 to bash, TERM then KILL its processes."""
