@@ -38,6 +38,12 @@ def shell_argv(image_bash):
     return ["--ro-bind", image_bash, IMAGE_BASH], [IMAGE_BASH, "--noprofile", "--norc"]
 
 
+def under_empty_dir(path):
+    """Whether ``path`` (absolute, normalised) is one of :data:`EMPTY_DIRS` or below one:
+    a slot sees that directory empty, so nothing in it needs hiding."""
+    return any(path == d or path.startswith(d + "/") for d in EMPTY_DIRS)
+
+
 def hidden_paths(hide, masked, nonstandard_top=True):
     """The paths each upper whites out: agent state and secrets under a visible top-level
     directory, root-only host files (``masked``) and, when the root is the host's
@@ -48,8 +54,7 @@ def hidden_paths(hide, masked, nonstandard_top=True):
             out.add("/" + name)
     for path in list(hide) + list(masked):
         path = os.path.normpath(path)
-        top = path.strip("/").split("/")[0]
-        if path != "/" and top not in EMPTY_TOP and os.path.lexists(path):
+        if path != "/" and not under_empty_dir(path) and os.path.lexists(path):
             out.add(path)
     # A path below a hidden one needs no whiteout of its own.
     return sorted(p for p in out if not any(p.startswith(q + "/") for q in out if q != p))
@@ -178,8 +183,7 @@ class UpperPlan:
             nxt = os.path.join(cur, part)
             if not os.path.isdir(nxt):
                 lower = os.path.join(mount, os.path.relpath(nxt, upper))
-                if not self.root and any(lower == p or lower.startswith(p + "/")
-                                         for p in EMPTY_DIRS):
+                if not self.root and under_empty_dir(lower):
                     lower = "/nonexistent-in-the-slot"  # below an emptied directory
                 lower = self.source_of(lower)
                 try:

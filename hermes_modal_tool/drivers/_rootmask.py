@@ -13,6 +13,8 @@ import os
 import stat
 import threading
 
+from ..agent.rootplan import under_empty_dir
+
 log = logging.getLogger("hermes_modal_tool")
 
 #: Where the host keeps files only root may read (``root:root``, no read bit for others).
@@ -61,7 +63,7 @@ def _scan(tops: tuple[str, ...]) -> list[str]:
             if st.st_uid == 0 and st.st_gid == 0 and not st.st_mode & 0o004 \
                     and not stat.S_ISLNK(st.st_mode):
                 found.append(entry.path)
-            elif stat.S_ISDIR(st.st_mode):
+            elif stat.S_ISDIR(st.st_mode) and not under_empty_dir(entry.path):
                 stack.append(entry.path)
     if stack:
         log.warning("the scan for root-only host files stopped after %d entries; files "
