@@ -58,6 +58,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.slot_disk_mb = None
         self.filesystem = "workspace-only"
         self.template_dir = None  # the slots' template layers' tmpfs (see setup, rootfs)
+        self.layer_spares = None  # kept layer directories (see setup, layerspares)
         self.unstarted = {}  # id(msg) -> a call that has not started yet
         self.notices = []  # heap of (when to notice, seq, id(msg))
         self.notice_seq = itertools.count()
@@ -230,10 +231,14 @@ class Agent(Setup, Calls, DiskWatch):
             try:
                 root.point_current()
                 trash = root.retire(old) if old is not None else None
-                if not self.closing:
-                    root.prepare_standby()
-                if trash is not None:
-                    trees.remove_tree(trash)
+                try:
+                    if not self.closing:
+                        root.prepare_standby()
+                finally:
+                    if trash is not None and self.layer_spares is not None:
+                        self.layer_spares.keep(trash)  # or deleted (agent/layerspares.py)
+                    elif trash is not None:
+                        trees.remove_tree(trash)
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
                 sys.stderr.write("hermes-modal-tool agent: layer work failed: %s\n" % (exc,))
 

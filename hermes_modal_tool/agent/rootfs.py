@@ -48,6 +48,7 @@ import os
 import stat
 import threading
 
+from . import trees
 from .mounts import (
     MS_RDONLY,
     enter_private_mount_namespace,
@@ -91,7 +92,7 @@ class SlotRoot:
     tree that is ever deleted.
     """
 
-    def __init__(self, base, mnt, uid, gid, plan, trash, dirs=(), template=None):
+    def __init__(self, base, mnt, uid, gid, plan, trash, dirs=(), template=None, spares=None):
         self.base = base
         self.lower = mnt
         self.template = template  # this slot's template layer (on the sandbox's tmpfs)
@@ -99,6 +100,7 @@ class SlotRoot:
         self.gid = gid
         self.plan = plan
         self.trash = trash
+        self.spares = spares  # the sandbox's kept layer directories (.layerspares)
         self.dirs = list(dirs)
         self.active = None
         self.standby = None
@@ -210,6 +212,9 @@ class SlotRoot:
             self._attach_lowers()
             self._seq += 1
             layer = _Layer(os.path.join(self.base, "layer-%d" % self._seq), stack)
+        if stack is None and len(self.plan.mounts) == 1 and self.spares is not None \
+                and self.spares.take(layer.dir, self.uid, self.gid):
+            return layer
         os.mkdir(layer.dir, 0o700)
         os.chown(layer.dir, self.uid, self.gid)
         for i in range(len(self.plan.mounts)):
@@ -221,7 +226,8 @@ class SlotRoot:
 
     def _mount(self, layer, lowers, extra=None):
         """Mount the layer's overlays; ``lowers[i]`` is mount ``i``'s lowerdir option."""
-        os.mkdir(layer.merged, 0o755)
+        if not os.path.isdir(layer.merged):  # a reused layer directory has it
+            os.mkdir(layer.merged, 0o755)
         try:
             for i, mount in enumerate(self.plan.mounts):
                 upper, work = layer.dirs(i)
@@ -238,10 +244,14 @@ class SlotRoot:
 
     def _build(self):
         layer = self._new_layer()
-        for i, mount in enumerate(self.plan.mounts):
-            self.plan.own_upper(layer.dirs(i)[0], mount, self.uid, self.gid)
-        return self._mount(layer, ["%s:%s" % (self._template_of(i), lower)
-                                   for i, lower in enumerate(self._lowers)])
+        try:
+            for i, mount in enumerate(self.plan.mounts):
+                self.plan.own_upper(layer.dirs(i)[0], mount, self.uid, self.gid)
+            return self._mount(layer, ["%s:%s" % (self._template_of(i), lower)
+                                       for i, lower in enumerate(self._lowers)])
+        except OSError:
+            trees.remove_tree(layer.dir)  # nothing is mounted on it (_mount unmounted it)
+            raise
 
     # -- snapshots (see agent/snapshots.py) ------------------------------------------
     def build_on(self, chain, ws_from=None):

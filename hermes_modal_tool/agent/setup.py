@@ -8,7 +8,7 @@ import resource
 import sys
 
 from .. import protocol
-from . import caps, cgroups, isolation, rootfs, rootplan, shmwatch, slottmpfs
+from . import caps, cgroups, isolation, layerspares, rootfs, rootplan, shmwatch, slottmpfs
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
 
@@ -134,7 +134,8 @@ class Setup:
                     else "filesystem: overlay", why))
             return "workspace-only", why
         self.trash_dir = os.path.join(self.state_dir, "trash")
-        for sub in ("fs", "mnt", "trash", "tpl"):
+        self.layer_spares = layerspares.LayerSpares(os.path.join(self.state_dir, "spare"))
+        for sub in ("fs", "mnt", "trash", "tpl", "spare"):
             os.makedirs(os.path.join(self.state_dir, sub), mode=0o711, exist_ok=True)
         # The slots' template layers (see rootfs): ~40 entries and one small file per slot.
         self.template_dir = os.path.join(self.state_dir, "tpl")
