@@ -184,12 +184,23 @@ class Agent(Setup, Calls, DiskWatch):
         slot.set_busy(mid)
         ptyprocs.forget(self, slot.index)  # the reset kills them
         had_shell = slot.shell.used
+        answered = []
+
+        def answer():  # once the old tenant is killed, or at the end (slot.reset)
+            if not answered:
+                answered.append(True)
+                self.send({"id": mid, "ok": True, "result": {}})
+
         try:
-            await slot.reset()
+            await slot.reset(on_killed=answer)
         except Exception as exc:
-            self.send({"id": mid, "ok": False, "error": "reset failed: %s" % exc})
+            if answered:  # the slot stays as it is; its next call tries again
+                sys.stderr.write("hermes-modal-tool agent: slot %d: reset failed after its "
+                                 "answer: %s\n" % (slot.index, exc))
+            else:
+                self.send({"id": mid, "ok": False, "error": "reset failed: %s" % exc})
         else:
-            self.send({"id": mid, "ok": True, "result": {}})
+            answer()
             if had_shell:
                 # A slot that was used will be used again: the next holder's first
                 # command should not wait for a shell to start. Only with room to spare:

@@ -301,8 +301,9 @@ class ShellProcesses:
         if self.slot.agent.cgroups:
             self.slot.agent.cgroups.kill_slot(self.slot.index)
 
-    async def stop(self):
-        """Kill everything and wait (bounded) until the shell is reaped."""
+    async def stop(self, on_kill=None):
+        """Kill everything and wait (bounded) until the shell is reaped; ``on_kill()`` runs
+        right after the kill is sent (not when there was no shell to kill)."""
         starting = self.starting
         if starting is not None and starting is not asyncio.current_task():
             self.kill()  # ends a start in progress (at once, or as soon as Popen returns)
@@ -315,6 +316,8 @@ class ShellProcesses:
         self.is_ready = False
         await self._init_told(INIT_WAIT_S)
         self.kill()
+        if on_kill is not None:
+            on_kill()
         if self.eof is not None and not self.eof.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self.eof), 2.0)

@@ -43,7 +43,7 @@ class SlotRuntime:
                 # The control directory's mount point too: else bwrap makes it in every
                 # tenant's layer (a copy-up of /run and a directory on disk per shell start).
                 agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir, isolation.CTL_PATH],
-                os.path.join(agent.template_dir, "slot_%d" % index))
+                os.path.join(agent.template_dir, "slot_%d" % index), agent.layer_spares)
             if "HOME" not in agent.config.get("env", {}):
                 self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
             self.start_dir = agent.workdir or self.ws_path
@@ -205,11 +205,15 @@ class SlotRuntime:
         self.idle.set()
         self.pump()
 
-    async def reset(self):
+    async def reset(self, on_killed=None):
         """Kill what ran in the slot and empty its workspace.
 
         A shell that never ran a command (one pre-started by the last reset) is
-        already fresh and is kept.
+        already fresh and is kept. With a layered root of its own (not a fork's, and no
+        tmpfs to renew), ``on_killed()`` runs as soon as the kill is sent, before the old
+        sandbox is torn down: nothing the old tenant's processes do after it can reach the
+        next tenant (they write only to the layer this reset drops, and the slot stays
+        busy, so every call waits, until they are gone and the layer is swapped).
         """
         shell = self.shell
         if getattr(self.agent, "shm_watch", None) is not None:  # a new tenant (shmwatch.py)
@@ -220,7 +224,11 @@ class SlotRuntime:
         self.dirty = False
         stopped = drop or shell.used or not (shell.alive or shell.starting)
         if stopped:
-            await shell.stop()
+            # Not for a fork's layer: the snapshots it holds are let go after the teardown,
+            # and the answer says they are.
+            early = self.root is not None and self.tmpfs is None and (
+                self.root.active is None or self.root.active.stack is None)
+            await shell.stop(on_kill=on_killed if early else None)
             if self.agent.cgroups:
                 self.agent.cgroups.kill_slot(self.index)
             if self.agent.isolation != "bwrap" and self.uid is not None:
