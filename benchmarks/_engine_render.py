@@ -140,6 +140,9 @@ def render(res: dict[str, Any], quick: bool) -> str:
         add(f"      parts p50: acquire {fmt_ms(ar['part_acquire']['median'])}, first command "
             f"{fmt_ms(ar['part_first_cmd']['median'])} (its shell was started ahead), release+reset "
             f"{fmt_ms(ar['part_release_reset']['median'])}")
+        add(f"      back to back: mean {fmt_ms(c['mean'])}, p90 {fmt_ms(c['p90'])} (first command p90 "
+            f"{fmt_ms(ar['part_first_cmd']['p90'])}: a slot whose next shell is still starting; the "
+            "mean is what the machine's CPU allows, see below)")
         cyc = ar.get("cpu_ms_per_cycle", {})
         if cyc:
             tot = sum(cyc.values())
