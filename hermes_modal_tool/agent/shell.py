@@ -51,6 +51,7 @@ class Shell(ShellStart, ShellProcesses):
         self.err_fd = None
         self.info_fd = None
         self.init_pid = None
+        self.told_watch = None  # (info fd, timer) of a kill waiting for the init's pid
         self.ns_link = None
         self.bash_pid = None  # host pid of bash, known once the shell is ready
         self.collector = None

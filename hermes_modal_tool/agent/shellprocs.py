@@ -13,7 +13,6 @@ killed and the next command gets a fresh shell in the directory the old one was 
 
 import asyncio
 import os
-import select
 import signal
 import subprocess
 import time
@@ -178,6 +177,7 @@ class ShellProcesses:
                 pass
 
     def close_fds(self):
+        self._forget_told_watch()  # before its descriptor is closed
         for name in ("stdin_fd", "out_fd", "info_fd"):
             fd = getattr(self, name)
             if fd is not None:
@@ -273,11 +273,10 @@ class ShellProcesses:
             return
         init = self._init()
         if init is None and self.info_fd is not None:
-            # Just spawned: bwrap writes the init's pid within milliseconds (stop() waited
-            # for it without blocking; other callers wait here).
-            select.select([self.info_fd], [], [], INIT_WAIT_S)
-            init = self._init()
-        if init:
+            # Just spawned: bwrap tells the init's pid within milliseconds (stop() waits for
+            # it first). Kill it then, from the loop: never wait here for it.
+            self._kill_when_told()
+        elif init:
             isolation._kill(init, signal.SIGKILL)
         else:
             self._kill_hard()
@@ -287,6 +286,39 @@ class ShellProcesses:
             for sid in slot.background_sids:
                 for pid, _, _, _ in isolation.ns_processes(session=sid):
                     isolation._kill(pid, signal.SIGKILL)
+
+    def _kill_when_told(self):
+        """Kill the slot's init as soon as bwrap tells its pid (``--info-fd``, watched by
+        the loop), or everything the hard way after :data:`INIT_WAIT_S`; returns at once.
+        A shell ended or replaced meanwhile is left alone."""
+        if self.told_watch is not None:
+            return  # a kill is already waiting for the pid
+        fd, proc = self.info_fd, self.proc
+
+        def finish():
+            if self.told_watch is None or self.told_watch[0] != fd:
+                return
+            self._forget_told_watch()
+            if self.proc is not proc or self.info_fd != fd:
+                return
+            init = self._init()
+            if init:
+                isolation._kill(init, signal.SIGKILL)
+            else:
+                self._kill_hard()
+
+        self.loop.add_reader(fd, finish)
+        self.told_watch = (fd, self.loop.call_later(INIT_WAIT_S, finish))
+
+    def _forget_told_watch(self):
+        if self.told_watch is not None:
+            fd, timer = self.told_watch
+            self.told_watch = None
+            timer.cancel()
+            try:
+                self.loop.remove_reader(fd)
+            except (ValueError, OSError):
+                pass
 
     def _kill_hard(self):
         """Kill the outer bwrap, its children and the slot's cgroup (when the init is unknown
@@ -341,7 +373,7 @@ class ShellProcesses:
     async def _init_told(self, limit):
         """Wait (at most ``limit`` seconds) until bwrap has told its init's pid, watching
         ``--info-fd`` from the loop: a shell stopped just after its spawn is then killed
-        through its init, and :meth:`kill` does not wait for the pid itself (blocking)."""
+        through its init at once (:meth:`kill` would only schedule that)."""
         if self.info_fd is None or self._init():
             return
         told = self.loop.create_future()
