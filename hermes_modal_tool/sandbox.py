@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import protocol
+from .deadlines import Deadlines
 from .drivers.base import SandboxHandle
 from .errors import ConfigError, SandboxDiedError, SandboxError, SandboxStartError
 
@@ -65,7 +66,9 @@ class Sandbox:
         self.last_used = self.started_at
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._deadlines: dict[int, tuple[asyncio.TimerHandle | None, float]] = {}
+        # request id -> (its deadline's entry in self._timers or None, its wait in seconds)
+        self._deadlines: dict[int, tuple[list | None, float]] = {}
+        self._timers: Deadlines | None = None  # made on the first request's loop
         self._outbox: list[bytes] = []
         self._listeners: dict[int, Callable[[dict[str, Any]], None]] = {}
         self._unacked = 0  # streamed output received and not yet acknowledged
@@ -128,10 +131,11 @@ class Sandbox:
         if entry is None or msg["event"] not in ("queued", "started"):
             return
         timer, wait_s = entry
+        timers = self._timers_on(asyncio.get_running_loop())
         if timer is not None:
-            timer.cancel()
+            timers.drop(timer)
         if msg["event"] == "started":
-            timer = asyncio.get_running_loop().call_later(wait_s, self._expire, mid, wait_s)
+            timer = timers.add(wait_s, self._expire, (mid, wait_s))
         else:
             timer = None
         self._deadlines[mid] = (timer, wait_s)  # type: ignore[index]
@@ -199,7 +203,7 @@ class Sandbox:
         self._outbox.append(frame)
         if flush:
             self.flush()
-        self._deadlines[mid] = (loop.call_later(wait_s, self._expire, mid, wait_s), wait_s)
+        self._deadlines[mid] = (self._timers_on(loop).add(wait_s, self._expire, (mid, wait_s)), wait_s)
         fut.add_done_callback(lambda _f: self._forget(mid))
         self.last_used = time.monotonic()
         return mid, fut
@@ -215,10 +219,18 @@ class Sandbox:
     def _forget(self, mid: int) -> None:
         self._listeners.pop(mid, None)
         timer, _ = self._deadlines.pop(mid, (None, 0.0))
-        if timer is not None:
-            timer.cancel()
+        if timer is not None and self._timers is not None:
+            self._timers.drop(timer)
 
-    def _expire(self, mid: int, wait_s: float) -> None:
+    def _timers_on(self, loop: asyncio.AbstractEventLoop) -> Deadlines:
+        """The requests' deadlines, on ``loop`` (one loop timer for all of them)."""
+        timers = self._timers
+        if timers is None or timers.loop is not loop:
+            timers = self._timers = Deadlines(loop)
+        return timers
+
+    def _expire(self, request: tuple[int, float]) -> None:
+        mid, wait_s = request
         fut = self._pending.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_exception(SandboxError(

@@ -20,6 +20,7 @@ from importlib import resources
 _MODULES = (
     ("hermes_modal_tool", None),
     ("hermes_modal_tool.protocol", "protocol.py"),
+    ("hermes_modal_tool.deadlines", "deadlines.py"),
     ("hermes_modal_tool.agent", None),
     ("hermes_modal_tool.agent.scopes", "agent/scopes.py"),
     ("hermes_modal_tool.agent.sysvipc", "agent/sysvipc.py"),

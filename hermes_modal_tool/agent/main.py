@@ -18,6 +18,7 @@ import signal
 import sys
 
 from .. import protocol
+from ..deadlines import Deadlines
 from . import admission, mounts, ptyprocs, rootfs, snapshots, spawner, streaming, trees
 from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
 from .diskwatch import DiskWatch
@@ -43,6 +44,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.flush_handle = None  # the scheduled flush (at once, or a batch's hold)
         self.flush_soon = False  # ... and it is the one at once
         self.tasks = set()
+        self.deadlines = Deadlines(loop)  # the running commands' timeouts
         self.config = None
         self.cgroups = None
         self.rlimits = []
@@ -326,6 +328,7 @@ class Agent(Setup, Calls, DiskWatch):
         await asyncio.gather(*(slot.shell.stop() for slot in self.slots.values()),
                              return_exceptions=True)
         self.admission.close()
+        self.deadlines.close()
         if self.notice_timer is not None:
             self.notice_timer.cancel()
         if self.heartbeat is not None:

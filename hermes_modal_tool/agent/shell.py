@@ -65,7 +65,7 @@ class Shell(ShellStart, ShellProcesses):
         self.used = False
         self.cmd_started = (0, 0)
         self.on_done = None
-        self.timer = None
+        self.timer = None  # the running command's deadline (``agent.deadlines`` entry)
         self.timeout = 0.0
         self.started_at = 0.0
         self.timed_out = self.cancelled = self.interrupting = self.restarted = False
@@ -228,7 +228,7 @@ class Shell(ShellStart, ShellProcesses):
             self._write(message)  # one write: the shell reads the header in one read
         except OSError:
             collector.finish(self.exit_status)  # reported as the shell having exited
-        self.timer = self.loop.call_later(timeout, self._on_timeout)
+        self.timer = self.slot.agent.deadlines.add(timeout, _timed_out, self)
         if collector.ended is not None:
             self._complete()
 
@@ -266,7 +266,7 @@ class Shell(ShellStart, ShellProcesses):
         if self.interrupting:
             return
         self.interrupting = True
-        self.timer.cancel()
+        self.slot.agent.deadlines.drop(self.timer)
         self.slot.agent.own(self._interrupt_then_complete())
 
     async def _interrupt_then_complete(self):
@@ -281,7 +281,7 @@ class Shell(ShellStart, ShellProcesses):
         if collector is None:
             return
         self.collector = None
-        self.timer.cancel()
+        self.slot.agent.deadlines.drop(self.timer)
         self._drain_err(collector)  # written before the end marker: it belongs here
         text, truncated = collector.text()
         streams, cut = collector.result_fields()
@@ -335,6 +335,10 @@ class Shell(ShellStart, ShellProcesses):
         if streams:
             result.update(streams)
         on_done(result)
+
+
+def _timed_out(shell):
+    shell._on_timeout()
 
 
 def _read_pipe(fd):
