@@ -86,3 +86,39 @@ def test_encode_is_length_prefixed_json():
     assert length == len(frame) - 4
     assert json.loads(frame[4:].decode("utf-8")) == {"id": 7, "op": "call",
                                                      "args": {"command": "echo é"}}
+
+
+wide_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(msg=st.dictionaries(st.text(max_size=10), wide_values, max_size=6))
+def test_the_c_codec_writes_and_reads_what_json_does(msg):
+    """The cached C encoder and scanner (protocol._fast_codec) against ``json`` itself:
+    the same text out, the same values back, NaN, infinities, integers past 64 bits and
+    lone surrogates included."""
+    from hermes_modal_tool import protocol
+
+    assert protocol._ENCODE_C is not None and protocol._SCAN is not None  # CPython has both
+    text = json.dumps(msg, separators=(",", ":"), ensure_ascii=False)
+    frame = encode(msg)
+    assert frame[4:] == text.encode("utf-8", "surrogatepass")
+    [back] = FrameDecoder().feed(frame)
+    assert json.dumps(back, separators=(",", ":"), ensure_ascii=False) == text
+
+
+@pytest.mark.parametrize("payload, expected", [(b' {"a":1}', {"a": 1}), (b'{"a":1} \n', {"a": 1})])
+def test_whitespace_around_a_frame_is_json_whitespace(payload, expected):
+    assert FrameDecoder().feed(struct.pack(">I", len(payload)) + payload) == [expected]
+
+
+def test_a_message_that_refers_to_itself_is_refused():
+    msg: dict = {"id": 1}
+    msg["self"] = msg
+    with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
+        encode(msg)
