@@ -35,7 +35,7 @@ from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .pool import SandboxPool
 from .processes import ProcessMethods
 from .shared_setup import SharedSetups
-from .slots import ExecutionResult, OutputEvent, Slot
+from .slots import ExecutionResult, OutputEvent, Slot, execution_id
 from .snapshots import SlotSnapshot, Snapshots
 
 
@@ -374,7 +374,7 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         results: list[ExecutionResult | None] = [None] * len(requests)
         touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
-        waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str]] = []
+        waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str, Any]] = []
         for i, req in enumerate(requests):
             try:
                 slot, tool, args = req
@@ -403,35 +403,39 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             if isinstance(submitted, ExecutionResult):
                 results[i] = submitted
                 continue
-            sb, mid, fut = submitted
+            sb, mid, fut, rec = submitted
             touched[sb] = None
-            waiting.append((i, pool, tool, slot, sb, mid, fut, os.urandom(16).hex()))
+            waiting.append((i, pool, tool, slot, sb, mid, fut, execution_id(), rec))
         for sb in touched:
             sb.flush()
         if waiting:
-            futures = [w[6] for w in waiting]
+            # One after another, not gather(): a batch's results come in one frame, so
+            # the task wakes once and finds the rest done (gather schedules a callback
+            # per future: a loop pass each).
+            outcomes: list[Any] = []
             try:
-                if len(futures) == 1:  # the common agent-loop case: skip gather's machinery
+                for w in waiting:
                     try:
-                        outcomes = [await futures[0]]
+                        outcomes.append(await w[6])
                     except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
                         raise
                     except BaseException as exc:
-                        outcomes = [exc]
-                else:
-                    outcomes = await asyncio.gather(*futures, return_exceptions=True)
+                        outcomes.append(exc)
             except asyncio.CancelledError:
                 # Awaiting a future and being cancelled cancels the future too: tell the
                 # agent to stop every call that has not answered; last ones first and in
                 # one write per sandbox, so a call queued behind a cancelled one in its
                 # slot is dropped before that one ends, never started.
-                for _, _, _, _, sb, mid, fut, _ in reversed(waiting):
+                for _, pool, _, slot, sb, mid, fut, _, rec in reversed(waiting):
                     if not fut.done() or fut.cancelled():
                         sb.cancel(mid, flush=False)
+                    pool.call_ended(rec, slot)
                 for sb in touched:
                     sb.flush()
                 raise
-            for (i, pool, tool, slot, _sb, _mid, _fut, eid), outcome in zip(waiting, outcomes, strict=True):
+            for (i, pool, tool, slot, _sb, _mid, _fut, eid, rec), outcome in zip(waiting, outcomes,
+                                                                                  strict=True):
+                pool.call_ended(rec, slot)
                 results[i] = pool.to_result(slot, tool, outcome, eid)
         return results  # type: ignore[return-value]
 

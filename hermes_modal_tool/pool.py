@@ -402,7 +402,9 @@ class SandboxPool(SlotResets, PoolStatus):
     # -- calls ---------------------------------------------------------------------
     def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
                flush: bool = True, listener: Any = None):
-        """Send one tool call; return ``(sandbox, mid, future)`` or an ExecutionResult on error.
+        """Send one tool call; return ``(sandbox, mid, future, record)`` or an
+        ExecutionResult on error. The caller hands ``record`` to :meth:`call_ended`
+        once the future is done or abandoned.
 
         With ``flush=False`` the frame waits for the sandbox's ``flush()``; with a
         ``listener`` the agent streams the call's output to it (``output`` events).
@@ -436,14 +438,15 @@ class SandboxPool(SlotResets, PoolStatus):
         slot.state = SlotState.EXECUTING
         self.stats["calls"] += 1
         self._rate_window.append(time.monotonic())
+        return sb, mid, fut, rec
 
-        def done(_f: asyncio.Future, rec: _Record = rec, slot: Slot = slot) -> None:
-            rec.inflight -= 1
-            if rec.inflight == 0 and rec.holder is slot and slot.state is SlotState.EXECUTING:
-                slot.state = SlotState.ACQUIRED
-
-        fut.add_done_callback(done)
-        return sb, mid, fut
+    @staticmethod
+    def call_ended(rec: _Record, slot: Slot) -> None:
+        """A call :meth:`submit` sent for ``slot`` (leasing ``rec``) came back, or its
+        caller stopped waiting for it: the slot is no longer executing once none is left."""
+        rec.inflight -= 1
+        if rec.inflight == 0 and rec.holder is slot and slot.state is SlotState.EXECUTING:
+            slot.state = SlotState.ACQUIRED
 
     def to_result(self, slot: Slot, tool: str, outcome: Any, execution_id: str) -> ExecutionResult:
         if isinstance(outcome, BaseException):

@@ -105,8 +105,10 @@ class Sandbox:
             return
         pending = self._pending
         for msg in messages:
-            fut = pending.pop(msg.get("id"), None)
+            mid = msg.get("id")
+            fut = pending.pop(mid, None)
             if fut is not None:
+                self._forget(mid)
                 if not fut.done():
                     fut.set_result(msg)
             elif "event" in msg:
@@ -171,6 +173,8 @@ class Sandbox:
         self.death_reason = reason
         err = SandboxDiedError(f"sandbox {self.sandbox_id} died: {reason}")
         pending, self._pending = self._pending, {}
+        for mid in list(self._deadlines):
+            self._forget(mid)
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -204,7 +208,6 @@ class Sandbox:
         if flush:
             self.flush()
         self._deadlines[mid] = (self._timers_on(loop).add(wait_s, self._expire, (mid, wait_s)), wait_s)
-        fut.add_done_callback(lambda _f: self._forget(mid))
         self.last_used = time.monotonic()
         return mid, fut
 
@@ -232,6 +235,7 @@ class Sandbox:
     def _expire(self, request: tuple[int, float]) -> None:
         mid, wait_s = request
         fut = self._pending.pop(mid, None)
+        self._forget(mid)
         if fut is not None and not fut.done():
             fut.set_exception(SandboxError(
                 f"sandbox {self.sandbox_id}: the agent did not answer within {wait_s:g}s"))
@@ -241,8 +245,11 @@ class Sandbox:
         """Ask the agent to stop request ``mid`` (kills what it started). Fire and forget.
 
         With ``flush=False`` the frame waits for :meth:`flush`, so that several cancels
-        reach the agent in one write and take effect together.
+        reach the agent in one write and take effect together. The request's output
+        events stop reaching its listener now; its entry is dropped when the agent
+        answers (it answers a cancelled call too) or when its deadline passes.
         """
+        self._listeners.pop(mid, None)
         if not self.dead and mid:
             self._outbox.append(protocol.encode({"id": 0, "op": "cancel", "target": mid}))
             if flush:

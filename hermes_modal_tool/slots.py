@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import enum
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -52,6 +53,20 @@ class Slot:
     def is_available(self) -> bool:
         """True when the slot is free (not held by a trajectory)."""
         return self.state is SlotState.AVAILABLE
+
+
+_IDS: list[str] = []
+
+
+def execution_id() -> str:
+    """A new call's ``execution_id``: 32 random hex characters (128 bits from
+    ``os.urandom``, drawn 128 ids at a time: one ``getrandom`` per 128 calls)."""
+    try:
+        return _IDS.pop()
+    except IndexError:
+        raw = os.urandom(2048).hex()
+        _IDS.extend(raw[i:i + 32] for i in range(32, len(raw), 32))
+        return raw[:32]
 
 
 @dataclass
