@@ -108,6 +108,11 @@ _KIND_WORDS = {
 }
 
 
+#: Each tool's required arguments.
+_REQUIRED = {tool: tuple(k for k, (_, required) in spec.items() if required)
+             for tool, spec in TOOL_ARGS.items()}
+
+
 def check_args(tool, args):
     """Check a tool call's arguments against :data:`TOOL_ARGS`.
 
@@ -115,6 +120,33 @@ def check_args(tool, args):
     value. Both the host (CLI, before anything starts) and the agent use it.
     """
     spec = TOOL_ARGS.get(tool)
+    if spec is not None and type(args) is dict and _all_fine(spec, _REQUIRED[tool], args):
+        return None  # the common case, in a pass over the given arguments only
+    return _first_problem(tool, spec, args)
+
+
+def _all_fine(spec, required, args):
+    for key, value in args.items():
+        entry = spec.get(key)
+        if entry is None:
+            return False
+        if value is None:
+            if entry[1]:
+                return False
+            continue
+        if _check_kind(entry[0], value) is not None:
+            return False
+        if isinstance(value, str) and "\x00" in value and key != "content":
+            return False
+    for key in required:
+        if key not in args:
+            return False
+    return True
+
+
+def _first_problem(tool, spec, args):
+    """What :func:`check_args` says of arguments that are not all fine: the first
+    problem in :data:`TOOL_ARGS` order (None if there is none after all)."""
     if spec is None:
         return "unknown tool %r; known tools: %s" % (tool, ", ".join(TOOLS))
     if not isinstance(args, dict):

@@ -110,11 +110,17 @@ class Admission:
         return True
 
     def enqueue(self, key, probe, on_admit):
-        """Queue ``key``; ``on_admit()`` runs (on the loop) once it counts."""
-        self.waiting[key] = (on_admit, probe)
+        """Queue ``key``; ``on_admit()`` runs (on the loop) once it counts.
+
+        Behind others it cannot count yet: while calls wait there is no room (each
+        admission pass admits until there is none, and room only opens by a release or
+        a sample, which admit again), so only the first in the queue tries."""
+        waiting = self.waiting
+        waiting[key] = (on_admit, probe)
         self.queued += 1
-        self._admit()
-        if self.waiting and self.timer is None:
+        if len(waiting) == 1:
+            self._admit()
+        if waiting and self.timer is None:
             self._schedule()
 
     def hold(self, key):
