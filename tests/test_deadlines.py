@@ -28,7 +28,7 @@ async def test_due_callbacks_run_in_order_and_dropped_ones_never() -> None:
     assert len(timers) == 3
     await asyncio.sleep(0.12)
     assert [name for name, _ in fired] == ["a", "b", "c"]
-    for (_, at), due in zip(fired, (0.02, 0.04, 0.06)):
+    for (_, at), due in zip(fired, (0.02, 0.04, 0.06), strict=True):
         assert at >= due - 0.002  # never early (loop clock)
     assert len(timers) == 0
 
