@@ -10,6 +10,7 @@ is tied to the thread that started it).
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import signal
 
@@ -111,6 +112,13 @@ async def test_a_killed_agent_takes_its_shells_with_it(make_backend):
     assert len(shells) == 2, shells
     os.kill(agent, signal.SIGKILL)
     assert await settle(lambda: not (shells & set(processes())), timeout=5), shells
+    # stop() removes the dead sandbox's cgroups too (its driver retries while the
+    # killed namespaces go: CI once left slot_0 and slot_1 of this test behind).
+    name = make_backend.profile_name
+    await backend.stop()
+    left = [os.path.join(d, e) for d in glob.glob("/sys/fs/cgroup/*/hermes-modal-tool")
+            for e in os.listdir(d) if f"-{name}-" in e]
+    assert not left, left
 
 
 CHECK_MOVES = """

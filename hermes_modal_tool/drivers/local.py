@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ from .base import Driver, SandboxHandle
 log = logging.getLogger("hermes_modal_tool")
 
 DEFAULT_IMAGE = SandboxConfig.model_fields["image"].default
+#: Seconds a stopped sandbox's cgroups are retried for removal while what ran in them
+#: exits (after a crash of its agent).
+CGROUP_REMOVE_S = 10.0
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _UID_SEQ = itertools.count(random.randrange(0, 16384))
 _warned: set[tuple[str, str]] = set()  # (field, value) already warned about in this process
@@ -166,12 +170,19 @@ class LocalHandle(SandboxHandle):
         # The agent removes its own state; after a kill -9 we do.
         for path in self._cleanup:
             await _rmtree(path)
-        # After a crash the slots' processes may still be exiting: retry until the
-        # cgroups can be removed (bounded).
-        for _ in range(50):
-            if _remove_cgroups(self._cgroup):
+        # After a crash the slots' processes may still be exiting (a killed agent's
+        # namespaces take a while to go on a busy machine): retry until the cgroups can be
+        # removed, for up to CGROUP_REMOVE_S, then say what is left.
+        end = time.monotonic() + CGROUP_REMOVE_S
+        delay = 0.02
+        while not _remove_cgroups(self._cgroup):
+            if time.monotonic() >= end:
+                log.warning("sandbox cgroups %s could not be removed within %g s (processes "
+                            "still in them); remove them with rmdir once they are empty",
+                            _cgroup_dirs(self._cgroup), CGROUP_REMOVE_S)
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
         try:
             self._stderr_path.unlink()
         except OSError:
@@ -248,14 +259,19 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
+def _cgroup_dirs(name: str) -> list[Path]:
+    """Where the agent of sandbox ``name`` makes its cgroups (v1 controllers, v2)."""
+    roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / name
+             for c in ("memory", "pids", "cpu")]
+    return roots + [Path("/sys/fs/cgroup/unified") / "hermes-modal-tool" / name]
+
+
 def _remove_cgroups(name: str) -> bool:
     """Kill and remove cgroups the agent made for this sandbox (after a crash).
 
     Returns True when none of them is left.
     """
-    roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / name
-             for c in ("memory", "pids", "cpu")]
-    roots += [Path("/sys/fs/cgroup/unified") / "hermes-modal-tool" / name]
+    roots = _cgroup_dirs(name)
     for root in roots:
         if not root.is_dir():
             continue
