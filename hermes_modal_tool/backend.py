@@ -303,8 +303,9 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
     async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
         """Return a slot. The next holder always gets an empty workspace and a fresh
         shell; ``reset_workspace=True`` does that reset before returning (with a layered
-        root: once the old tenant's processes are killed; their teardown finishes in the
-        sandbox meanwhile, and the slot's next call waits for it, see ``agent/slot.py``).
+        root: once each of the old tenant's processes has been sent SIGKILL; they end and
+        the slot is torn down in the sandbox meanwhile, and the slot's next call waits for
+        that, see ``agent/slot.py``).
 
         Raises:
             UsageError: the slot is not held (already released, or not a Slot).

@@ -110,13 +110,16 @@ class Cgroups:
         """The sandbox's own cgroups' files called ``name`` (``tasks``, say)."""
         return [os.path.join(d, name) for d in self._dirs(None).values()]
 
-    def slot_pids(self, slot):
+    def slot_pids(self, slot, one=False):
         """Host pids currently in the slot's cgroup (empty when not using cgroups), never
-        the agent's own (a thread of it is there while it starts a shell: threadstart.py)."""
+        the agent's own (a thread of it is there while it starts a shell: threadstart.py).
+        ``one``: read one controller's list (they hold the same processes, but for a
+        moment at a start), not all of them."""
         if self.mode == "rlimit":
             return []
         pids = set()
-        for d in self._dirs(slot).values():
+        dirs = self._dirs(slot)
+        for d in [next(iter(dirs.values()))] if one else dirs.values():
             try:
                 with open(os.path.join(d, "cgroup.procs")) as fh:
                     pids.update(int(x) for x in fh.read().split())

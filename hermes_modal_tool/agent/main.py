@@ -188,7 +188,7 @@ class Agent(Setup, Calls, DiskWatch):
         had_shell = slot.shell.used
         answered = []
 
-        def answer():  # once the old tenant is killed, or at the end (slot.reset)
+        def answer():  # once the old tenant's processes are killed, or at the end (slot.reset)
             if not answered:
                 answered.append(True)
                 self.send({"id": mid, "ok": True, "result": {}})

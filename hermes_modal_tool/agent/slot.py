@@ -210,10 +210,11 @@ class SlotRuntime:
 
         A shell that never ran a command (one pre-started by the last reset) is
         already fresh and is kept. With a layered root of its own (not a fork's, and no
-        tmpfs to renew), ``on_killed()`` runs as soon as the kill is sent, before the old
-        sandbox is torn down: nothing the old tenant's processes do after it can reach the
-        next tenant (they write only to the layer this reset drops, and the slot stays
-        busy, so every call waits, until they are gone and the layer is swapped).
+        tmpfs to renew), ``on_killed()`` runs as soon as SIGKILL is sent to each of the
+        old tenant's processes (none of them runs its code again: ``shellprocs.stop``),
+        before they are gone and the slot torn down: nothing they do can reach the next
+        tenant (they can write only to the layer this reset drops, and the slot stays
+        busy, so every call for it waits, until they are gone and the layer is swapped).
         """
         shell = self.shell
         if getattr(self.agent, "shm_watch", None) is not None:  # a new tenant (shmwatch.py)

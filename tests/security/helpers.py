@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 from support import bash, processes
@@ -105,6 +106,28 @@ def fresh_shell_only(uid: int) -> bool:
 def none_alive(pids) -> bool:
     alive = set(processes())
     return not (set(pids) & alive)
+
+
+def killed(pids) -> bool:
+    """Whether every one of ``pids`` is gone, a zombie, exiting or has SIGKILL pending:
+    in none of these does a process run its own code again (a release answers once its
+    tenant's processes are sent SIGKILL: agent/shellprocs.py ``stop``)."""
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # gone
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields["State"].strip()[:1] in ("Z", "X"):
+            continue
+        pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+        if pending & (1 << (signal.SIGKILL - 1)):
+            continue
+        flags = int(stat.rsplit(")", 1)[1].split()[6])  # field 9 of /proc/<pid>/stat
+        if not flags & 0x4:  # PF_EXITING
+            return False
+    return True
 
 
 def exists(path) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import SMALL, bash, layered, processes
 
-from .helpers import call, none_alive, victim_state
+from .helpers import call, killed, none_alive, victim_state
 
 SYS_ADD_KEY = {"x86_64": 248, "aarch64": 217}.get(platform.machine())
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
@@ -256,11 +256,12 @@ async def test_nothing_a_tenant_started_outlives_its_release(mode_backend):
     escapee = [p for p, proc in processes().items() if f"hmt-escapee-{tag}".encode() in proc.cmdline]
     assert escapee, "the escapee never ran"
     await backend.release(first, reset_workspace=True)
-    assert none_alive(escapee)
+    assert killed(escapee)  # gone, or on its way with SIGKILL: it runs nothing more
     second = await backend.acquire("second")
     assert second.slot_id == first.slot_id
     r = await bash(backend, second, f"ls /tmp/hmt-left-{tag} /dev/shm/hmt-dir-{tag} 2>&1; "
                                     f"pgrep -f hmt-escapee-{tag}; echo end")
+    assert none_alive(escapee)  # the next tenant's first command ran after it was gone
     lines = r.output.splitlines()  # two misses and no pid from pgrep
     assert len(lines) == 3 and all("No such file" in line for line in lines[:2]), r.output
     assert lines[2] == "end", r.output
