@@ -136,6 +136,8 @@ class SandboxPool(SlotResets, PoolStatus):
         self._records.clear()
         await asyncio.gather(*(sb.close() for sb in sandboxes), *list(self._closers),
                              return_exceptions=True)
+        while pending := [t for t in self._closers if not t.done()]:  # died meanwhile
+            await asyncio.gather(*pending, return_exceptions=True)
         self.stats["sandboxes_stopped"] += len(sandboxes)
 
     def _spawn(self, coro, name: str, closing: bool = False) -> asyncio.Task:
@@ -222,8 +224,10 @@ class SandboxPool(SlotResets, PoolStatus):
             if rec.holder is not None:
                 rec.holder.state = SlotState.ERROR
                 rec.holder.error = self.last_error
+        # Also while the pool stops: stop() no longer lists this sandbox, and only its
+        # close removes what it left on the host (its state, its cgroups).
+        self._spawn(sb.close(), f"hermes-modal-tool close {sb.sandbox_id}", closing=True)
         if not self._closed:
-            self._spawn(sb.close(), f"hermes-modal-tool close {sb.sandbox_id}", closing=True)
             self._grow()
 
     def _live(self) -> int:
