@@ -358,7 +358,8 @@ class ShellProcesses:
             cgroups = self.slot.agent.cgroups
             if cgroups:
                 for pid in cgroups.slot_pids(self.slot.index, one=True):
-                    isolation._kill(pid, signal.SIGKILL)
+                    if pid != self.proc.pid:  # bwrap: it ends with its init and reaps it
+                        isolation._kill(pid, signal.SIGKILL)
             on_kill()
         if self.eof is not None and not self.eof.done():
             try:
