@@ -128,10 +128,12 @@ class Cgroups:
         pids.discard(os.getpid())
         return sorted(pids)
 
-    def kill_slot(self, slot):
-        """SIGKILL every process in the slot's cgroup."""
-        for pid in self.slot_pids(slot):
-            _kill(pid, signal.SIGKILL)
+    def kill_slot(self, slot, spare=None, one=False):
+        """SIGKILL every process in the slot's cgroup but ``spare`` (a pid); ``one``: as
+        listed by one controller (see :meth:`slot_pids`)."""
+        for pid in self.slot_pids(slot, one):
+            if pid != spare:
+                _kill(pid, signal.SIGKILL)
 
     def remove_slot(self, slot):
         self._made.discard(slot)

@@ -355,11 +355,8 @@ class ShellProcesses:
         await self._init_told(INIT_WAIT_S)
         self.kill()
         if on_kill is not None:
-            cgroups = self.slot.agent.cgroups
-            if cgroups:
-                for pid in cgroups.slot_pids(self.slot.index, one=True):
-                    if pid != self.proc.pid:  # bwrap: it ends with its init and reaps it
-                        isolation._kill(pid, signal.SIGKILL)
+            if self.slot.agent.cgroups:  # bwrap is spared: it ends with its init and reaps it
+                self.slot.agent.cgroups.kill_slot(self.slot.index, spare=self.proc.pid, one=True)
             on_kill()
         if self.eof is not None and not self.eof.done():
             try:
