@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from hermes_modal_tool.protocol import (
     MAX_FRAME_BYTES,
+    TOOL_ARGS,
     FrameDecoder,
     ProtocolError,
+    check_args,
     encode,
 )
 
@@ -122,3 +124,19 @@ def test_a_message_that_refers_to_itself_is_refused():
     msg["self"] = msg
     with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
         encode(msg)
+
+
+arg_values = (st.none() | st.booleans() | st.integers(-5, 70_000) | st.floats() | st.text(max_size=5)
+              | st.just("a\x00b") | st.sampled_from(["text", "bytes", "base64"])
+              | st.dictionaries(st.text(max_size=3), st.text(max_size=3) | st.integers(), max_size=2))
+arg_names = st.sampled_from(sorted({k for spec in TOOL_ARGS.values() for k in spec}) + ["zzz"])
+
+
+@settings(max_examples=2000, deadline=None)
+@given(tool=st.sampled_from([*TOOL_ARGS, "nope"]), args=st.dictionaries(arg_names, arg_values, max_size=4))
+def test_check_args_fast_pass_says_what_the_full_check_says(tool, args):
+    """check_args' one pass over the given arguments (protocol._all_fine) against the
+    full check in TOOL_ARGS order: the same answer for every tool and argument."""
+    from hermes_modal_tool import protocol
+
+    assert check_args(tool, args) == protocol._first_problem(tool, TOOL_ARGS.get(tool), args)
