@@ -188,6 +188,7 @@ class SlotRoot:
         if self._lowers:
             return
         os.makedirs(self.base, mode=0o700, exist_ok=True)
+        trees.spread_subdirs(self.base)  # each layer in a block group apart (see trees.py)
         os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds from here
         if not os.path.isdir(self.template):
             os.mkdir(self.template, 0o700)

@@ -8,7 +8,7 @@ import resource
 import sys
 
 from .. import protocol
-from . import caps, cgroups, isolation, layerspares, rootfs, rootplan, shmwatch, slottmpfs
+from . import caps, cgroups, isolation, layerspares, rootfs, rootplan, shmwatch, slottmpfs, trees
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
 
@@ -135,8 +135,11 @@ class Setup:
             return "workspace-only", why
         self.trash_dir = os.path.join(self.state_dir, "trash")
         self.layer_spares = layerspares.LayerSpares(os.path.join(self.state_dir, "spare"))
+        trees.spread_subdirs(self.state_dir)
         for sub in ("fs", "mnt", "trash", "tpl", "spare"):
             os.makedirs(os.path.join(self.state_dir, sub), mode=0o711, exist_ok=True)
+        for sub in ("fs", "mnt"):  # each slot's, and in "fs" each layer's, apart (trees.py)
+            trees.spread_subdirs(os.path.join(self.state_dir, sub))
         # The slots' template layers (see rootfs): ~40 entries and one small file per slot.
         self.template_dir = os.path.join(self.state_dir, "tpl")
         try:

@@ -4,11 +4,50 @@ wide, with a constant number of open files, never following a link or crossing a
 Stdlib-only, Python 3.8.
 """
 
+import array
 import errno
+import fcntl
 import os
 import stat
+import struct
 
 from .mounts import open_subdir_same_mount
+
+# ``FS_IOC_GETFLAGS`` and ``FS_IOC_SETFLAGS`` (linux/fs.h: ``_IOR``/``_IOW('f', 1|2, long)``;
+# the kernel reads and writes an ``int``) and ``FS_TOPDIR_FL``.
+_LONG = struct.calcsize("l")
+_GETFLAGS = (2 << 30) | (_LONG << 16) | (ord("f") << 8) | 1
+_SETFLAGS = (1 << 30) | (_LONG << 16) | (ord("f") << 8) | 2
+_TOPDIR_FL = 0x00020000
+
+
+def spread_subdirs(path):
+    """Ask ext2/3/4 to put each new subdirectory of the directory ``path`` in a block group
+    of the file system's choosing (``chattr +T``: its Orlov allocator takes ``path`` for
+    the top of directory hierarchies), not beside ``path``. Returns whether it was set;
+    other file systems refuse it, which changes nothing.
+
+    Why: on ext4 without a journal, each new inode scans past the inodes freed in the
+    last one to five minutes in its block group (``recently_deleted`` in fs/ext4/ialloc.c):
+    slot layers made and dropped in one group (thousands per minute) made every ``mkdir``
+    there cost 0.3-0.5 ms instead of 0.04 (throwaway measurement: 7,000 ``mkdir`` after
+    21,000 deletions). With a journal nothing changes (0.024 ms either way).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, _GETFLAGS, flags, True)
+        if not flags[0] & _TOPDIR_FL:
+            flags[0] |= _TOPDIR_FL
+            fcntl.ioctl(fd, _SETFLAGS, flags, False)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def empty_dir(path):
