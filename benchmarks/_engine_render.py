@@ -224,6 +224,11 @@ def render(res: dict[str, Any], quick: bool) -> str:
         add(f"      ({fr['wall_s']:.2f} s; {fr['failed']} failed)")
         add(row(f"   floor: bwrap ... true, {fl['parallel']} at a time (n={fl['n']})", f"{fl['per_s']:,.0f}", "", ""))
         add(f"      (ours / floor: {fr['shells_per_s'] / max(fl['per_s'], 1e-9):.2f}; floor failures: {fl['failed']})")
+        if "cpu_ms_per_shell" in fr and "machine_cpu_ms_per_start" in fl:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(fr["cpu_ms_per_shell"].items(),
+                                                                  key=lambda kv: -kv[1]))
+            add(f"      machine CPU per shell {fr['machine_cpu_ms_per_shell']:.2f} ms ({parts}) against "
+                f"{fl['machine_cpu_ms_per_start']:.2f} ms per `bwrap ... true` start")
         add("")
     if "streaming" in res:
         from streaming import render as render_streaming

@@ -5,8 +5,8 @@
   machine gives bash itself, with no sandbox, agent or host in between), and the same
   with each bash in a memory, pids and cpu cgroup of its own below a common parent, as a
   slot's shell is (the kernel's accounting per cgroup is part of every call's cost);
-- ``bwrap ... true`` started as fast as the machine allows (the floor of a slot shell's
-  start: a bubblewrap sandbox with user and PID namespaces).
+
+The floor of a shell's start (``bwrap ... true``) is in ``_fresh.py``, beside section f.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import resource
 import selectors
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 MARK = b"\x1e\n"
@@ -171,21 +170,3 @@ def _drain(sel: selectors.BaseSelector, n: int) -> None:
                 done += 1
             else:
                 pending[key.fd] = data
-
-
-def bwrap_true_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
-    """Start ``n`` ``bwrap --unshare-user --unshare-pid ... true``, ``parallel`` at a time:
-    sandboxes per second (the floor of starting slot shells)."""
-    argv = [bwrap, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc",
-            "--dev", "/dev", "true"]
-
-    def one(_: int) -> int:
-        return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              check=False).returncode
-
-    with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(one, range(min(n, parallel))))  # warm
-        t0 = perf()
-        codes = list(pool.map(one, range(n)))
-        wall = perf() - t0
-    return {"n": n, "parallel": parallel, "per_s": n / wall, "failed": sum(c != 0 for c in codes)}

@@ -70,6 +70,23 @@ def become_subreaper() -> bool:
         return False
 
 
+def proc_kind(pid: int) -> str:
+    """agent / bwrap (outer) / bwrap-init (pid 1 of a slot) / bash / other."""
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            comm = fh.read().strip()
+        with open(f"/proc/{pid}/status") as fh:
+            status = fh.read()
+    except OSError:
+        return "gone"
+    nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
+    if comm == "bwrap":
+        return "bwrap-init" if len(nspid) > 1 and nspid[-1] == "1" else "bwrap"
+    if comm.startswith("python"):
+        return "agent"
+    return comm
+
+
 # -- CPU accounting for one measured step (added for modal_rpc.py) ---------------------------
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -11,14 +11,15 @@ d. cold start: a pool with ``min_sandboxes=1`` to ready, an extra sandbox starte
 e. idle memory per live slot (``--slots``, default 1000): MemAvailable delta and the
    summed PSS of every engine process, divided by the number of slots;
 f. shells per second: the first ``true`` in 1,000 fresh slots (10 sandboxes x 100; every
-   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows;
+   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows,
+   with the CPU a shell takes by process kind beside the CPU of one such start (``_fresh.py``);
 g. live output (``streaming.py``): one slot's streaming throughput against ``subprocess``
    reading the same ``head -c 100MB /dev/zero``, and a neighbour's ``echo`` while a slot
    of the same sandbox streams ``yes``.
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
 persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
-cpu cgroup of its own as a slot's shell is (b), bwrap starts per second (f).
+cpu cgroup of its own as a slot's shell is (b); bwrap starts per second (f, in ``_fresh.py``).
 
 Usage::
 
@@ -55,7 +56,8 @@ from hermes_modal_tool import SandboxConfig, ToolBackend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
 import streaming  # noqa: E402 - section g
 from _engine_render import render, summary_ms  # noqa: E402
-from _floors import bwrap_true_rate, raw_bash_echo, raw_bash_throughput  # noqa: E402
+from _floors import raw_bash_echo, raw_bash_throughput  # noqa: E402
+from _fresh import bwrap_true_rate, fresh_shells  # noqa: E402 - section f
 from _peers import (  # noqa: E402 - the peers we compare with (run_all.py uses them from here)
     _swerex_imports,
     latency_subprocess,
@@ -65,31 +67,22 @@ from _peers import (  # noqa: E402 - the peers we compare with (run_all.py uses 
     throughput_swerex_gather,
     throughput_swerex_threads,
 )
-from _proc import become_subreaper, descendants, meminfo, proc_stats, quantile  # noqa: E402
+from _proc import (  # noqa: E402
+    become_subreaper,
+    busy_cpu_s,
+    descendants,
+    meminfo,
+    others_cpu,
+    proc_kind,
+    proc_stats,
+    quantile,
+)
 
 perf = time.perf_counter
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 
 # -- small helpers -------------------------------------------------------------------
-def proc_kind(pid: int) -> str:
-    """agent / bwrap (outer) / bwrap-init (pid 1 of a slot) / bash / other."""
-    try:
-        with open(f"/proc/{pid}/comm") as fh:
-            comm = fh.read().strip()
-        with open(f"/proc/{pid}/status") as fh:
-            status = fh.read()
-    except OSError:
-        return "gone"
-    nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
-    if comm == "bwrap":
-        return "bwrap-init" if len(nspid) > 1 and nspid[-1] == "1" else "bwrap"
-    if comm.startswith("python"):
-        return "agent"
-    return comm
-
-
 def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -509,24 +502,10 @@ def start_floors(n: int) -> dict[str, Any]:
     return out
 
 
-# -- f. shells per second ---------------------------------------------------------------------
-async def fresh_shells(slots: int, per_sandbox: int) -> dict[str, Any]:
-    """The first ``true`` in ``slots`` fresh slots at once (each starts its shell)."""
-    sandboxes = -(-slots // per_sandbox)
-    b = await started(cfg(slots_per_sandbox=per_sandbox, min_sandboxes=sandboxes,
-                          max_sandboxes=sandboxes, scale_down_idle=False))
-    try:
-        ss = [await b.acquire(f"f{i}") for i in range(slots)]
-        t0 = perf()
-        rs = await b.execute_batch([(s, "bash", {"command": "true"}) for s in ss])
-        wall = perf() - t0
-        failed = sum(not r.success for r in rs)
-        for s in ss:
-            await b.release(s)
-    finally:
-        await b.stop()
-    return {"slots": slots, "sandboxes": sandboxes, "wall_s": wall, "shells_per_s": slots / wall,
-            "failed": failed}
+# -- f. shells per second (benchmarks/_fresh.py) ---------------------------------------------
+async def _fresh_backend(per_sandbox: int, sandboxes: int) -> ToolBackend:
+    return await started(cfg(slots_per_sandbox=per_sandbox, min_sandboxes=sandboxes,
+                             max_sandboxes=sandboxes, scale_down_idle=False))
 
 
 # -- e. memory ------------------------------------------------------------------------------
@@ -591,31 +570,6 @@ async def memory(slots: int, per_sandbox: int) -> dict[str, Any]:
 #: Per measured step: wall seconds, CPU seconds used by this process tree, CPU seconds used
 #: by everything else on the machine (other users of a shared machine skew the numbers).
 CPU_LOG: list[dict[str, Any]] = []
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent not idle (from /proc/stat)."""
-    with open("/proc/stat") as fh:
-        f = [int(x) for x in fh.readline().split()[1:]]
-    return (sum(f[:8]) - f[3] - f[4]) / TICK
-
-
-def others_cpu() -> dict[tuple[int, str], float]:
-    """CPU seconds so far of every process outside this process tree, keyed by (pid, start)."""
-    mine = set(descendants(os.getpid())) | {os.getpid()}
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in mine:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-            with open(f"/proc/{entry}/schedstat") as fh:
-                ns = int(fh.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-        out[(int(entry), stat[stat.rfind(")") + 2:].split()[19])] = ns / 1e9
-    return out
 
 
 def own_cpu_s() -> float:
@@ -741,7 +695,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "f" in sections:
         from hermes_modal_tool.drivers.local import find_bwrap
         n_fresh = 200 if q else 1000
-        res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(n_fresh, 100)))
+        res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(_fresh_backend, n_fresh, 100)))
         res["fresh"]["floor"] = timed("f. floor: bwrap true", lambda: bwrap_true_rate(
             find_bwrap(), 100 if q else 400, os.cpu_count() or 2))
     if "g" in sections:
