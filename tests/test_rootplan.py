@@ -1,7 +1,11 @@
 """What a slot's layered root hides: root-only host files, except where the slot sees an
-empty directory anyway (a whiteout there used to break every shell start)."""
+empty directory anyway (a whiteout there used to break every shell start); and the
+template every slot's root starts from, worked out once and replayed per slot."""
 
 import os
+import stat
+
+import pytest
 
 from hermes_modal_tool.agent import rootplan
 from hermes_modal_tool.drivers import _rootmask
@@ -31,3 +35,52 @@ def test_scan_does_not_enter_an_emptied_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(rootplan, "EMPTY_DIRS", {str(tree / "tmp"): 0o1777})
     found = _rootmask._scan((str(tree),))
     assert found == [str(tree / "cache" / "secret")]
+
+
+def _tree(top):
+    out = {}
+    for d, ds, fs in os.walk(top):
+        for n in ds + fs:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            try:
+                opaque = os.getxattr(p, rootplan.OPAQUE, follow_symlinks=False)
+            except OSError:
+                opaque = None
+            out["/" + os.path.relpath(p, top)] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode),
+                                                  st.st_uid, st.st_gid, st.st_rdev, opaque)
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a template is chowned to the slot's ids: root only")
+def test_apply_makes_the_template_from_ops_worked_out_once(tmp_path):
+    # The host's /etc/shadow and a top-level directory the host has: whiteouts; /root,
+    # /tmp ...: emptied (opaque, the slot's); the slot's workspace: made with its parents.
+    plan = rootplan.UpperPlan(["/etc/shadow", "/var/lib/dpkg"], [], False)
+    ops = plan.template_ops()
+    assert plan.template_ops() is ops  # worked out once, replayed per slot
+    trees = []
+    for i, ids in enumerate(((201234, 201235), (205000, 205001))):
+        upper = tmp_path / f"t{i}"
+        upper.mkdir()
+        plan.apply({"/": str(upper)}, *ids, dirs=["/data/slot_3/work"])
+        trees.append((_tree(upper), ids))
+    (t0, (uid, gid)), (t1, ids1) = trees
+
+    def same_ids(t, ids):  # the slot's ids stand for "slot"; other owners stay as they are
+        m = {ids[0]: "slot", ids[1]: "slot"}
+        return {p: v[:2] + (m.get(v[2], v[2]), m.get(v[3], v[3])) + v[4:] for p, v in t.items()}
+    assert same_ids(t0, (uid, gid)) == same_ids(t1, ids1)
+    for path, mode in rootplan.EMPTY_DIRS.items():
+        if os.path.isdir(path):
+            assert t0[path] == (stat.S_IFDIR, mode, uid, gid, 0, b"y"), path
+    assert t0["/etc/shadow"] == (stat.S_IFCHR, 0, 0, 0, os.makedev(0, 0), None)
+    assert t0["/var/lib/dpkg"][0] == stat.S_IFCHR
+    for parent in ("/etc", "/var", "/var/lib"):  # the lower's mode; root's owner is the slot
+        st = os.lstat(parent)
+        want = (uid if st.st_uid == 0 else st.st_uid, gid if st.st_gid == 0 else st.st_gid)
+        assert t0[parent][:4] == (stat.S_IFDIR, stat.S_IMODE(st.st_mode)) + want, parent
+    assert t0["/data/slot_3/work"][:4] == (stat.S_IFDIR, 0o755, uid, gid)
+    if os.path.isdir("/etc/apt/apt.conf.d"):
+        conf = tmp_path / "t0" / rootplan.APT_CONF[0]
+        assert conf.read_bytes() == rootplan.APT_CONF[1] and conf.stat().st_uid == uid

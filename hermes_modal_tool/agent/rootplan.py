@@ -109,6 +109,7 @@ class UpperPlan:
         #: The lower's host path ("" for the host's root); an image is used as it is: none
         #: of the host's hiding applies to it (see :meth:`for_image`).
         self.root = image_root or ""
+        self._ops = None  # template_ops, made on first use
         if image_root:
             self.whiteouts, self.empty, self.mounts = [], [], ["/"]
             return
@@ -147,33 +148,76 @@ class UpperPlan:
     def apply(self, uppers, uid, gid, dirs=()):
         """Fill the new, empty layers ``uppers`` (mount -> directory: a slot's template, see
         :mod:`.rootfs`) as the agent (real root); ``dirs`` (absolute, in the slot's view) are
-        created when the root does not have them."""
+        created when the root does not have them.
+
+        The entries every slot gets (emptied directories, whiteouts, apt's setting, their
+        parents) are worked out once (:meth:`template_ops`) and replayed here with the
+        slot's ids: a few system calls per entry, no look at the lower (which took about
+        1.6 ms of CPU per slot, most of a fresh slot's root).
+        """
         for mount, upper in uppers.items():
             self.own_upper(upper, mount, uid, gid)
-        for name, mode in self.empty:
-            path = self._make(uppers, name, uid, gid)
-            os.mkdir(path)
-            os.chown(path, uid, gid)
-            os.chmod(path, mode)
-            os.setxattr(path, OPAQUE, b"y")
-        for name in self.whiteouts:
-            os.mknod(self._make(uppers, name, uid, gid), stat.S_IFCHR | 0o000, os.makedev(0, 0))
-        conf, text = APT_CONF
-        if os.path.isdir(self.root + "/etc/apt/apt.conf.d"):
-            path = self._make(uppers, "/" + conf, uid, gid)
-            with open(path, "wb") as fh:
-                fh.write(text)
-            os.chown(path, uid, gid)
+        for kind, mount, rel, mode, owner, group in self.template_ops():
+            path = uppers[mount] + rel
+            if kind == "whiteout":
+                os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+            elif kind == "file":
+                with open(path, "wb") as fh:
+                    fh.write(mode)  # the file's text
+                os.chown(path, uid, gid)
+            else:  # a directory: a parent with the lower's mode, or an emptied one
+                os.mkdir(path)
+                os.chown(path, uid if owner == 0 else owner, gid if group == 0 else group)
+                os.chmod(path, mode)
+                if kind == "empty":
+                    os.setxattr(path, OPAQUE, b"y")
         for d in dirs:
             if d and d != "/":
                 mount, rel = self.layer_of(d)
                 self._parents(uppers[mount], mount, rel, uid, gid, create_mode=0o755)
 
-    def _make(self, uppers, path, uid, gid):
-        """Where ``path`` goes in its layer (its parents made); the entry itself is not."""
-        mount, rel = self.layer_of(path)
-        parent = self._parents(uppers[mount], mount, os.path.dirname(rel), uid, gid)
-        return os.path.join(parent, os.path.basename(rel))
+    def template_ops(self):
+        """What :meth:`apply` makes before the slot's own directories, in order, as
+        ``(kind, mount, rel, mode, owner, group)`` (``rel``: below the layer root of
+        ``mount``, with a leading "/"): ``dir`` a parent directory with the lower's mode and
+        owner (0 stands for the slot's ids), ``empty`` an emptied directory (opaque, the
+        slot's), ``whiteout``, ``file`` (``mode`` holds its text). Computed on first use
+        (thread-safe: the same list either way). Raises OSError as :meth:`_parents` does."""
+        ops = self._ops
+        if ops is not None:
+            return ops
+        ops, made = [], set()
+
+        def parents(mount, rel_dir):
+            cur = ""
+            for part in [p for p in rel_dir.split("/") if p]:
+                cur += "/" + part
+                if (mount, cur) in made:
+                    continue
+                lower = mount.rstrip("/") + cur
+                if not self.root and under_empty_dir(lower):
+                    lower = "/nonexistent-in-the-slot"  # below an emptied directory
+                st = os.lstat(self.source_of(lower))  # FileNotFoundError: as _parents
+                if not stat.S_ISDIR(st.st_mode):
+                    raise OSError(errno.ENOTDIR, "not a directory in the root", lower)
+                ops.append(("dir", mount, cur, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid))
+                made.add((mount, cur))
+
+        def entry(kind, path, mode=0):
+            mount, rel = self.layer_of(path)
+            parents(mount, os.path.dirname(rel))
+            ops.append((kind, mount, rel, mode, 0, 0))
+            made.add((mount, rel))
+
+        for name, mode in self.empty:
+            entry("empty", name, mode)
+        for name in self.whiteouts:
+            entry("whiteout", name)
+        conf, text = APT_CONF
+        if os.path.isdir(self.root + "/etc/apt/apt.conf.d"):
+            entry("file", "/" + conf, text)
+        self._ops = ops
+        return ops
 
     def _parents(self, upper, mount, path, uid, gid, create_mode=None):
         """Make ``path`` (relative to the layer's ``mount``) in ``upper`` with the lower's
