@@ -5,7 +5,8 @@ ext4, and the user namespaces of idmapped mounts made without copying the agent.
   puts each new subdirectory in a block group of its choosing), so the inodes of one
   slot's layers are not made in the group where thousands were just freed (on ext4
   without a journal each new inode scans past those). The sandbox's state directory,
-  its ``fs`` and ``mnt`` and every slot's layer directory carry the mark.
+  its ``fs`` and every slot's layer directory carry the mark; the slots' mount points
+  (``mnt``) are on a tmpfs of the agent's.
 - ``mounts.userns_fd`` makes its namespace with a ``clone(CLONE_VM | CLONE_NEWUSER)``
   child that shares the agent's memory: the namespace maps as the forked child's did,
   and nothing of the child is left (no process, no zombie, the caller's signal mask).
@@ -22,7 +23,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import bash, layered
+from support import agent_processes, bash, layered
 
 from hermes_modal_tool.agent import mounts, trees
 
@@ -48,6 +49,17 @@ def topdir(path: str | Path) -> bool:
         return bool(flags[0] & trees._TOPDIR_FL)
     finally:
         os.close(fd)
+
+
+def agents_mounts_at(path: Path) -> set[str]:
+    """File system types mounted at ``path`` in any agent's mount namespace."""
+    out = set()
+    for pid in agent_processes():
+        for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+            left, _, right = line.partition(" - ")
+            if left.split()[4] == str(path):
+                out.add(right.split()[0])
+    return out
 
 
 def test_spread_subdirs_marks_ext4_and_leaves_other_file_systems(tmp_path: Path) -> None:
@@ -81,7 +93,9 @@ async def test_the_sandbox_state_and_each_slots_layers_are_spread(make_backend) 
     slot = await backend.acquire("spread")
     r = await bash(backend, slot, "echo hi > /root/f && cat /root/f")
     assert r.output == "hi\n", r
-    assert topdir(state) and topdir(state / "fs") and topdir(state / "mnt")
+    assert topdir(state) and topdir(state / "fs")
+    assert "tmpfs" in agents_mounts_at(state / "mnt"), "the slots' mount points are not on a tmpfs"
+    assert not os.listdir(state / "mnt")  # the host sees nothing of it
     assert topdir(state / "fs" / f"slot_{slot.index}")
     layers = [n for n in os.listdir(state / "fs" / f"slot_{slot.index}") if n.startswith("layer-")]
     assert layers and not any(topdir(state / "fs" / f"slot_{slot.index}" / n) for n in layers)

@@ -138,8 +138,14 @@ class Setup:
         trees.spread_subdirs(self.state_dir)
         for sub in ("fs", "mnt", "trash", "tpl", "spare"):
             os.makedirs(os.path.join(self.state_dir, sub), mode=0o711, exist_ok=True)
-        for sub in ("fs", "mnt"):  # each slot's, and in "fs" each layer's, apart (trees.py)
-            trees.spread_subdirs(os.path.join(self.state_dir, sub))
+        trees.spread_subdirs(os.path.join(self.state_dir, "fs"))  # each slot's apart (trees.py)
+        # The slots' mount points for their lowers (rootfs: nothing is ever written there)
+        # on a tmpfs: no inode of the state's file system made or freed per slot.
+        mnt = os.path.join(self.state_dir, "mnt")
+        try:
+            rootfs.mount_tmpfs(mnt, "size=64k,mode=711")
+        except OSError:
+            trees.spread_subdirs(mnt)  # on disk, then; each slot's apart
         # The slots' template layers (see rootfs): ~40 entries and one small file per slot.
         self.template_dir = os.path.join(self.state_dir, "tpl")
         try:
