@@ -23,7 +23,9 @@ few dozen mounts instead of every slot's.
 
 Where a new thread of the agent can take on a slot's settings itself (:mod:`.threadstart`:
 cgroup v1, Python 3.10+), shells start from there instead, with no process copied; the
-spawner then lends them its mount namespace, and still makes user namespaces.
+spawner then lends them its mount namespace. It makes the user namespaces of idmapped
+mounts only where the agent cannot make them with a child that shares its memory
+(:func:`.mounts.userns_fd`).
 
 Where the spawner cannot run (not root, no ``clone`` number for this machine, a kernel
 without ``move_mount``), :func:`start` returns None or the first failed start marks it
@@ -138,7 +140,8 @@ class Spawner:
         return SpawnedProcess(pid)
 
     def userns(self, uid, gid, inside=0):
-        """:func:`.mounts.userns_fd` made by the spawner (its fork is cheap: it is small);
+        """:func:`.mounts.userns_fd` made by the spawner (where the agent has no shared
+        child: a fork of the small spawner is cheaper than one of the agent);
         returns the namespace fd. Raises OSError as that does, or with ``EPIPE`` when
         the spawner is gone."""
         (_, error), fds = self._ask(marshal.dumps(("userns", uid, gid, inside)), [])
