@@ -166,9 +166,7 @@ class UpperPlan:
                     fh.write(mode)  # the file's text
                 os.chown(path, uid, gid)
             else:  # a directory: a parent with the lower's mode, or an emptied one
-                os.mkdir(path)
-                os.chown(path, uid if owner == 0 else owner, gid if group == 0 else group)
-                os.chmod(path, mode)
+                _make_dir(path, mode, owner, group, uid, gid)
                 if kind == "empty":
                     os.setxattr(path, OPAQUE, b"y")
         for d in dirs:
@@ -182,7 +180,7 @@ class UpperPlan:
         ``mount``, with a leading "/"): ``dir`` a parent directory with the lower's mode and
         owner (0 stands for the slot's ids), ``empty`` an emptied directory (opaque, the
         slot's), ``whiteout``, ``file`` (``mode`` holds its text). Computed on first use
-        (thread-safe: the same list either way). Raises OSError as :meth:`_parents` does."""
+        (thread-safe: the same list either way). Raises OSError as :meth:`_lower_dir` does."""
         ops = self._ops
         if ops is not None:
             return ops
@@ -194,13 +192,7 @@ class UpperPlan:
                 cur += "/" + part
                 if (mount, cur) in made:
                     continue
-                lower = mount.rstrip("/") + cur
-                if not self.root and under_empty_dir(lower):
-                    lower = "/nonexistent-in-the-slot"  # below an emptied directory
-                st = os.lstat(self.source_of(lower))  # FileNotFoundError: as _parents
-                if not stat.S_ISDIR(st.st_mode):
-                    raise OSError(errno.ENOTDIR, "not a directory in the root", lower)
-                ops.append(("dir", mount, cur, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid))
+                ops.append(("dir", mount, cur) + self._lower_dir(mount.rstrip("/") + cur))
                 made.add((mount, cur))
 
         def entry(kind, path, mode=0):
@@ -226,21 +218,33 @@ class UpperPlan:
         for part in [p for p in path.split("/") if p]:
             nxt = os.path.join(cur, part)
             if not os.path.isdir(nxt):
-                lower = os.path.join(mount, os.path.relpath(nxt, upper))
-                if not self.root and under_empty_dir(lower):
-                    lower = "/nonexistent-in-the-slot"  # below an emptied directory
-                lower = self.source_of(lower)
                 try:
-                    st = os.lstat(lower)
-                    mode, owner, group = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
-                    if not stat.S_ISDIR(st.st_mode):
-                        raise OSError(errno.ENOTDIR, "not a directory in the root", lower)
+                    mode, owner, group = self._lower_dir(
+                        os.path.join(mount, os.path.relpath(nxt, upper)))
                 except FileNotFoundError:
                     if create_mode is None:
                         raise
                     mode, owner, group = create_mode, 0, 0
-                os.mkdir(nxt)
-                os.chown(nxt, uid if owner == 0 else owner, gid if group == 0 else group)
-                os.chmod(nxt, mode)
+                _make_dir(nxt, mode, owner, group, uid, gid)
             cur = nxt
         return cur
+
+    def _lower_dir(self, lower):
+        """``(mode, owner, group)`` of directory ``lower`` (a path of the slot's view) in
+        the root. Raises FileNotFoundError where the slot sees none (below an emptied
+        directory too), OSError ``ENOTDIR`` where it is not a directory."""
+        if not self.root and under_empty_dir(lower):
+            lower = "/nonexistent-in-the-slot"  # below an emptied directory
+        lower = self.source_of(lower)
+        st = os.lstat(lower)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, "not a directory in the root", lower)
+        return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+
+
+def _make_dir(path, mode, owner, group, uid, gid):
+    """``mkdir`` with ``mode``, owned by ``owner``/``group``, 0 standing for the slot's
+    ``uid``/``gid`` (the root's owner is the slot's root)."""
+    os.mkdir(path)
+    os.chown(path, uid if owner == 0 else owner, gid if group == 0 else group)
+    os.chmod(path, mode)
