@@ -6,9 +6,8 @@ batch of ``/proc/PID/stat``'s ``utime + stime`` (every thread, ended ones includ
 ``cutime + cstime`` (reaped children), in clock ticks; for each shell's processes
 (``bwrap``, the slot's init, ``bash``: single-threaded, all started in the batch) their
 whole life so far from ``/proc/PID/schedstat`` (nanoseconds; ``stat`` rounds their 1-2
-ms down to 0 ticks). The machine's busy time (``/proc/stat``)
-is the total; what no process of ours accounts for is "other" (kernel threads, this
-benchmark's own process).
+ms down to 0 ticks). The machine's busy time (``/proc/stat``) is the total; what no
+process of ours accounts for is "other" (kernel threads, this benchmark's own process).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from _proc import TICK, busy_cpu_s, descendants, proc_kind, proc_stats
+from _proc import TICK, busy_cpu_s, descendants, proc_kind, proc_stats, schedstat_s
 
 perf = time.perf_counter
 
@@ -29,18 +28,8 @@ def cpu_by_pid() -> dict[int, tuple[str, float]]:
     """``{pid: (kind, CPU seconds so far)}`` of every live descendant of this process (its
     threads, dead or alive, and its reaped children included; kinds as ``proc_kind``)."""
     mine = set(descendants(os.getpid(), live_only=True))
-    return {pid: (proc_kind(pid), max(sum(int(x) for x in fields[11:15]) / TICK, _main_thread_s(pid)))
+    return {pid: (proc_kind(pid), max(sum(int(x) for x in fields[11:15]) / TICK, schedstat_s(pid) or 0.0))
             for pid, fields in proc_stats() if pid in mine}
-
-
-def _main_thread_s(pid: int) -> float:
-    """CPU seconds of ``pid``'s main thread (``/proc/PID/schedstat``, nanoseconds): exact
-    for a shell's processes, which ``stat`` rounds down to whole ticks (0 for 2 ms)."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as fh:
-            return int(fh.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def _split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],

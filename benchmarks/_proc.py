@@ -105,12 +105,18 @@ def tree_cpu_s(root: int) -> float:
     t = os.times()
     total = t.user + t.system + t.children_user + t.children_system if root == os.getpid() else 0.0
     for pid in descendants(root, live_only=True) + ([] if root == os.getpid() else [root]):
-        try:
-            with open(f"/proc/{pid}/schedstat") as fh:
-                total += int(fh.read().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            continue
+        total += schedstat_s(pid) or 0.0
     return total
+
+
+def schedstat_s(pid: int) -> float | None:
+    """CPU seconds of ``pid``'s main thread (``/proc/PID/schedstat``, nanoseconds: exact,
+    where ``/proc/PID/stat`` rounds down to clock ticks); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as fh:
+            return int(fh.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def others_cpu() -> dict[tuple[int, str], float]:

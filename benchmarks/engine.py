@@ -76,6 +76,7 @@ from _proc import (  # noqa: E402
     proc_kind,
     proc_stats,
     quantile,
+    schedstat_s,
 )
 
 perf = time.perf_counter
@@ -161,12 +162,9 @@ def cpu_by_kind() -> dict[str, float]:
     out: dict[str, float] = {}
     for pid in descendants(os.getpid()):
         kind = proc_kind(pid)
-        try:
-            with open(f"/proc/{pid}/schedstat") as fh:
-                ns = int(fh.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-        out[kind] = out.get(kind, 0.0) + ns / 1e9
+        cpu = schedstat_s(pid)
+        if cpu is not None:
+            out[kind] = out.get(kind, 0.0) + cpu
     out["host"] = time.process_time()
     return out
 
