@@ -10,6 +10,9 @@ ext4, and the user namespaces of idmapped mounts made without copying the agent.
 - ``mounts.userns_fd`` makes its namespace with a ``clone(CLONE_VM | CLONE_NEWUSER)``
   child that shares the agent's memory: the namespace maps as the forked child's did,
   and nothing of the child is left (no process, no zombie, the caller's signal mask).
+- A slot's template layer is the sandbox's shared one (``rootplan.SharedTemplate``, made
+  once, root's) through an idmapped mount, with the slot's workspace in its layer; where
+  that is refused, a template of the slot's own: the slot sees the same either way.
 """
 
 from __future__ import annotations
@@ -145,3 +148,62 @@ def test_userns_fd_falls_back_to_a_fork_when_no_shared_child_can_be_made(monkeyp
         assert os.readlink(f"/proc/self/fd/{ns}") != os.readlink("/proc/self/ns/user")
     finally:
         os.close(ns)
+
+
+SLOT_ROOTS = textwrap.dedent("""
+    import os, stat, tempfile
+    from hermes_modal_tool.agent import mounts, rootfs, rootplan
+    top = tempfile.mkdtemp()
+    img = os.path.join(top, "img")
+    for d in ("etc/apt/apt.conf.d", "srv", "tmp"):
+        os.makedirs(os.path.join(img, d))
+    tpl = os.path.join(top, "tpl")
+    os.mkdir(tpl)
+    mounts.mount_tmpfs(tpl, "size=1024k,mode=711")
+    plan = rootplan.UpperPlan.for_image(img)
+    shared = rootplan.SharedTemplate(os.path.join(tpl, "shared"), plan, ["/data", "/srv/work"])
+    trash = os.path.join(top, "trash")
+    os.mkdir(trash)
+    out = []
+    for i, uid in enumerate((212345, 212400)):
+        if i == 1:
+            shared.refuse("told to")  # slot 1 fills a template of its own
+        root = rootfs.SlotRoot(os.path.join(top, "fs", "slot_%d" % i),
+                               os.path.join(top, "mnt", "slot_%d" % i), uid, uid + 1, plan,
+                               trash, ["/data/slot_%d" % i, "/srv/work"],
+                               os.path.join(tpl, "slot_%d" % i), shared=shared)
+        root.ensure()
+        seen = {}
+        for p in ("/data", "/data/slot_%d" % i, "/srv/work",
+                  "/etc/apt/apt.conf.d/00hermes-modal-tool"):
+            st = os.lstat(root.merged + p)
+            seen[p.replace("slot_%d" % i, "slot_N")] = (
+                stat.S_IMODE(st.st_mode), st.st_uid - uid, st.st_gid - uid - 1)
+        with open("/proc/self/mountinfo") as fh:
+            tpl_mount = [l.split()[3] for l in fh if " %s/tpl-0 " % root.lower in l]
+        out.append((seen, os.listdir(root.merged + "/data"), tpl_mount,
+                    os.path.isdir(os.path.join(tpl, "slot_%d" % i)),
+                    os.path.isdir(os.path.join(root.active.dir, "upper", "data", "slot_%d" % i))))
+        root.teardown()
+    with open("/proc/self/mountinfo") as fh:
+        left = [l for l in fh if "/tpl-0 " in l or "/merged " in l]
+    print(repr((out, left)))
+""")
+
+
+def test_slots_share_one_template_through_idmapped_mounts_or_make_their_own() -> None:
+    # In a mount namespace of its own, as the agent's: nothing of it shows on the host.
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
+                        SLOT_ROOTS], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (shared, own), left = eval(r.stdout)  # noqa: S307 - our own script's repr
+    want = {"/data": (0o755, 0, 0), "/data/slot_N": (0o755, 0, 0), "/srv/work": (0o755, 0, 0),
+            "/etc/apt/apt.conf.d/00hermes-modal-tool": (0o644, 0, 0)}
+    # The same view either way: every entry the slot's own (its root, in its namespace).
+    assert shared[0] == own[0] == want
+    assert shared[1] == ["slot_0"] and own[1] == ["slot_1"]  # no other slot's workspace
+    # Slot 0: the shared template (its root-owned files in the tmpfs) through an idmapped
+    # mount, no template of its own, its workspace in its layer. Slot 1: its own template.
+    assert shared[2] == ["/shared/0"] and shared[3] is False and shared[4] is True
+    assert own[2] == [] and own[3] is True and own[4] is False
+    assert left == []

@@ -1,9 +1,11 @@
 """What a slot's layered root hides: root-only host files, except where the slot sees an
 empty directory anyway (a whiteout there used to break every shell start); and the
-template every slot's root starts from, worked out once and replayed per slot."""
+template every slot's root starts from, worked out once and replayed per slot, or made
+once for all slots (owned by root) when every entry is root's."""
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +86,42 @@ def test_apply_makes_the_template_from_ops_worked_out_once(tmp_path):
     if os.path.isdir("/etc/apt/apt.conf.d"):
         conf = tmp_path / "t0" / rootplan.APT_CONF[0]
         assert conf.read_bytes() == rootplan.APT_CONF[1] and conf.stat().st_uid == uid
+
+
+def _image(root, owner=0):
+    """A small image root: ``/etc/apt/apt.conf.d`` and ``/srv`` owned by ``owner``."""
+    (root / "etc" / "apt" / "apt.conf.d").mkdir(parents=True)
+    (root / "srv").mkdir()
+    os.chown(root / "srv", owner, owner)
+    return rootplan.UpperPlan.for_image(str(root))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shared template is root's: root only")
+def test_shared_template_is_made_once_owned_by_root(tmp_path):
+    plan = _image(tmp_path / "img")
+    shared = rootplan.SharedTemplate(str(tmp_path / "tpl"), plan, ["/data", "/srv/work", None, "/"])
+    assert shared.dirs == ["/data", "/srv/work"]
+    tops = shared.tops()
+    assert shared.tops() is tops and tops == [str(tmp_path / "tpl" / "0")]
+    tree = _tree(Path(tops[0]))
+    assert {p: v[2:4] for p, v in tree.items()} == {p: (0, 0) for p in tree}  # root's, all
+    assert tree["/data"][:2] == (stat.S_IFDIR, 0o755) and tree["/srv/work"][:2] == (stat.S_IFDIR, 0o755)
+    conf = Path(tops[0]) / rootplan.APT_CONF[0]
+    assert conf.read_bytes() == rootplan.APT_CONF[1]
+    assert shared.broken is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shared template is root's: root only")
+def test_shared_template_refuses_an_entry_of_another_owner(tmp_path):
+    # /srv is 1234's in the image: a one-id mapping cannot show its copy as it is.
+    plan = _image(tmp_path / "img", owner=1234)
+    shared = rootplan.SharedTemplate(str(tmp_path / "tpl"), plan, ["/srv/work"])
+    with pytest.raises(OSError, match="owned by 1234:1234"):
+        shared.tops()
+    assert "owned by 1234:1234" in shared.broken
+    with pytest.raises(OSError, match="owned by 1234"):  # and stays refused
+        shared.tops()
+    shared = rootplan.SharedTemplate(str(tmp_path / "tpl2"), _image(tmp_path / "img2"), [])
+    shared.refuse("an idmapped mount of it failed: EINVAL")
+    with pytest.raises(OSError, match="idmapped mount of it failed"):
+        shared.tops()

@@ -32,6 +32,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.trees", "agent/trees.py"),
     ("hermes_modal_tool.agent.layerspares", "agent/layerspares.py"),
     ("hermes_modal_tool.agent.rootfs", "agent/rootfs.py"),
+    ("hermes_modal_tool.agent.rootprobe", "agent/rootprobe.py"),
     ("hermes_modal_tool.agent.slottmpfs", "agent/slottmpfs.py"),
     ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),
     ("hermes_modal_tool.agent.shmwatch", "agent/shmwatch.py"),

@@ -60,6 +60,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.slot_disk_mb = None
         self.filesystem = "workspace-only"
         self.template_dir = None  # the slots' template layers' tmpfs (see setup, rootfs)
+        self.shared_template = None  # the slots' shared template layer (rootplan.SharedTemplate)
         self.layer_spares = None  # kept layer directories (see setup, layerspares)
         self.unstarted = {}  # id(msg) -> a call that has not started yet
         self.notices = []  # heap of (when to notice, seq, id(msg))

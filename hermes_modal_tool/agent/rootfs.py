@@ -8,7 +8,8 @@ Each slot sees::
     lower     the sandbox's root ("/"), read-only, idmapped so that its uid 0 shows as the
               slot's uid (inside the slot's user namespace: root)
 
-How it is built (the agent must be real root; :func:`probe` says whether it works here):
+How it is built (the agent must be real root; :func:`.rootprobe.probe` says whether it
+works here):
 
 - at ``init`` the agent moves into a mount namespace of its own and makes every mount in it
   private, so none of the mounts below is ever visible on (or propagated to) the host, and
@@ -17,14 +18,19 @@ How it is built (the agent must be real root; :func:`probe` says whether it work
   then ``open_tree(OPEN_TREE_CLONE)`` of ``/`` and ``mount_setattr(MOUNT_ATTR_IDMAP |
   MOUNT_ATTR_RDONLY)``, attached with ``move_mount`` at ``state/mnt/slot_N``. Read-only: no
   path through it can change a host file;
-- per slot, once: a *template* layer on the sandbox's small tmpfs (``state/tpl/slot_N``),
-  filled from a plan computed once per sandbox (opaque empty ``/root``, ``/home``, ``/tmp``,
-  ``/run`` ...; whiteouts hiding the agent's state, secrets and root-only host files; the
-  workspace and working directory; an apt setting for a one-uid namespace; the PEP 668
-  marker removed), owned by the slot's uid. It is the overlay's top lower, read-only, so
-  every tenant starts from it without a file being written for it (on a journalled disk
-  the ~40 entries cost tens of milliseconds per layer; on tmpfs, once, well under one). A
-  tmpfs is another file system, so it never overlaps the root's tree;
+- per sandbox, once: a *template* layer on the sandbox's small tmpfs (``state/tpl/shared``,
+  :class:`.rootplan.SharedTemplate`), filled from a plan computed once (opaque empty
+  ``/root``, ``/home``, ``/tmp``, ``/run`` ...; whiteouts hiding the agent's state, secrets
+  and root-only host files; the workspaces' parent and the working directory; an apt
+  setting for a one-uid namespace; the PEP 668 marker removed), owned by root; per slot,
+  once, an idmapped mount of it in the slot's user namespace (``state/mnt/slot_N/tpl-0``),
+  so the slot sees it as its own. It is the overlay's top lower, read-only, so every tenant
+  starts from it without a file being written for it (on a journalled disk the ~40 entries
+  cost tens of milliseconds per layer). A tmpfs is another file system, so it never
+  overlaps the root's tree. The slot's workspace directory is made in each upper (two
+  directories). Where the shared template cannot be used (an entry owned by another id
+  than root's, an idmapped tmpfs refused), each slot fills a template of its own
+  (``state/tpl/slot_N``, owned by its uid) from the plan;
 - per tenant: a fresh, empty upper directory, then ``mount -t overlay`` with
   ``lowerdir=template:root`` at ``state/fs/slot_N/merged``. bwrap binds that as the slot's
   ``/``.
@@ -39,8 +45,8 @@ idmapped to the slot's uid when another slot wrote it, and the root view is a re
 overlay of the idmapped root (another file system: overlayfs refuses a lower inside
 another lower's tree, and the frozen layers are inside the root's).
 
-Where the kernel says no (not root, no ``open_tree``, overlay refused), :func:`probe` returns
-the reason and slots keep the workspace-only layout.
+Where the kernel says no (not root, no ``open_tree``, overlay refused),
+:func:`.rootprobe.probe` returns the reason and slots keep the workspace-only layout.
 """
 
 import errno
@@ -51,7 +57,6 @@ import threading
 from . import trees
 from .mounts import (
     MS_RDONLY,
-    enter_private_mount_namespace,
     mount_idmapped,
     mount_overlay,
     mount_overlay_readonly,
@@ -92,10 +97,15 @@ class SlotRoot:
     tree that is ever deleted.
     """
 
-    def __init__(self, base, mnt, uid, gid, plan, trash, dirs=(), template=None, spares=None):
+    def __init__(self, base, mnt, uid, gid, plan, trash, dirs=(), template=None, spares=None,
+                 shared=None):
         self.base = base
         self.lower = mnt
-        self.template = template  # this slot's template layer (on the sandbox's tmpfs)
+        self.template = template  # this slot's own template layer (on the sandbox's tmpfs)
+        self.shared = shared  # the sandbox's shared template (rootplan.SharedTemplate) or None
+        self._tpl = []  # per plan mount: the template layer in use (shared, idmapped; or own)
+        self._tpl_mounts = []  # this slot's idmapped mounts of the shared template
+        self._own_dirs = []  # dirs the shared template lacks: made in each layer's upper
         self.uid = uid
         self.gid = gid
         self.plan = plan
@@ -190,12 +200,6 @@ class SlotRoot:
         os.makedirs(self.base, mode=0o700, exist_ok=True)
         trees.spread_subdirs(self.base)  # each layer in a block group apart (see trees.py)
         os.chown(self.base, self.uid, self.gid)  # bwrap (as the slot) binds from here
-        if not os.path.isdir(self.template):
-            os.mkdir(self.template, 0o700)
-            tops = {m: self._template_of(i) for i, m in enumerate(self.plan.mounts)}
-            for top in tops.values():
-                os.mkdir(top, 0o755)
-            self.plan.apply(tops, self.uid, self.gid, self.dirs)
         ns = userns_fd(self.uid, self.gid)
         try:
             lowers = []
@@ -204,9 +208,42 @@ class SlotRoot:
                 os.makedirs(target, mode=0o700, exist_ok=True)
                 mount_idmapped(self.plan.source_of(mount), target, ns)
                 lowers.append(target)
+            self._tpl = self._attach_template(ns)
             self._lowers = lowers
         finally:
             os.close(ns)
+
+    def _attach_template(self, ns):
+        """This slot's template layers, one per plan mount: the sandbox's shared template
+        through idmapped mounts (user namespace ``ns``) in ``mnt`` (see
+        :class:`.rootplan.SharedTemplate`), or, where there is none or it cannot be used,
+        a copy of the slot's own in ``template``."""
+        shared = self.shared
+        if shared is not None and shared.broken is None:
+            mounted = []
+            try:
+                for i, top in enumerate(shared.tops()):
+                    target = os.path.join(self.lower, "tpl-%d" % i)
+                    os.makedirs(target, mode=0o700, exist_ok=True)
+                    mount_idmapped(top, target, ns)
+                    mounted.append(target)
+            except OSError as exc:
+                for target in reversed(mounted):
+                    umount(target)
+                if shared.broken is None:
+                    shared.refuse("an idmapped mount of it failed: %s" % (exc,))
+            else:
+                self._tpl_mounts = mounted
+                self._own_dirs = [d for d in self.dirs if d and d != "/" and d not in shared.dirs]
+                return mounted
+        tops = [os.path.join(self.template, str(i)) for i in range(len(self.plan.mounts))]
+        if not os.path.isdir(self.template):
+            os.mkdir(self.template, 0o700)
+            for top in tops:
+                os.mkdir(top, 0o755)
+            self.plan.apply({m: tops[i] for i, m in enumerate(self.plan.mounts)}, self.uid, self.gid,
+                            self.dirs)
+        return tops
 
     def _new_layer(self, stack=None):
         with self._lower_lock:
@@ -241,13 +278,16 @@ class SlotRoot:
         return layer
 
     def _template_of(self, i):
-        return os.path.join(self.template, str(i))
+        return self._tpl[i]
 
     def _build(self):
         layer = self._new_layer()
         try:
             for i, mount in enumerate(self.plan.mounts):
                 self.plan.own_upper(layer.dirs(i)[0], mount, self.uid, self.gid)
+            if self._own_dirs:  # the slot's workspace (the shared template has the rest)
+                self.plan.add_dirs({m: layer.dirs(i)[0] for i, m in enumerate(self.plan.mounts)},
+                                   self.uid, self.gid, self._own_dirs)
             return self._mount(layer, ["%s:%s" % (self._template_of(i), lower)
                                        for i, lower in enumerate(self._lowers)])
         except OSError:
@@ -391,6 +431,9 @@ class SlotRoot:
             for target in reversed(self._view_mounts):
                 umount(target)
             self._view_mounts, self._views = [], {}
+            for target in reversed(self._tpl_mounts):
+                umount(target)
+            self._tpl_mounts = []
             for target in reversed(self._lowers):
                 umount(target)
             self._lowers = []
@@ -428,53 +471,3 @@ def _unmount_layer(layer):
     for target in reversed(layer.lower_mounts):
         umount(target)
     layer.lower_mounts = []
-
-
-def probe(state_dir, known=False):
-    """Can slots get a layered root here? Returns ``""`` when they can, else why not.
-
-    Moves the agent into its own mount namespace (which it keeps) and mounts one test
-    overlay over an idmapped ``/``, then removes it. ``known``: the driver saw an earlier
-    agent on this host and file system pass the test (the local driver remembers it per
-    process), so only the namespace is made (~7 ms less per start).
-    """
-    if os.geteuid() != 0:
-        return "the agent is not root (idmapped mounts need CAP_SYS_ADMIN)"
-    try:
-        enter_private_mount_namespace()
-    except OSError as exc:
-        return "no private mount namespace: %s" % (exc.strerror or exc,)
-    if known:
-        return ""
-    test = os.path.join(state_dir, "fs-probe")
-    lower = os.path.join(test, "lower")
-    try:
-        for name in ("lower", "upper", "work", "merged"):
-            os.makedirs(os.path.join(test, name), exist_ok=True)
-        ns = userns_fd(65534, 65534)
-        try:
-            mount_idmapped("/", lower, ns)
-        finally:
-            os.close(ns)
-        try:
-            mount_overlay(lower, os.path.join(test, "upper"), os.path.join(test, "work"),
-                          os.path.join(test, "merged"))
-            umount(os.path.join(test, "merged"))
-        finally:
-            umount(lower)
-    except OSError as exc:
-        return "layered root unavailable: %s" % (exc.strerror or exc,)
-    finally:
-        _remove_probe(test)
-    return ""
-
-
-def _remove_probe(test):
-    for name in ("merged", "lower"):
-        try:
-            os.rmdir(os.path.join(test, name))
-        except OSError:
-            pass
-    from .trees import remove_tree
-
-    remove_tree(test)

@@ -11,6 +11,7 @@ container image.
 import errno
 import os
 import stat
+import threading
 
 OPAQUE = "trusted.overlay.opaque"
 #: Directories a slot sees empty (its own, writable): a container's fresh ones.
@@ -169,6 +170,12 @@ class UpperPlan:
                 _make_dir(path, mode, owner, group, uid, gid)
                 if kind == "empty":
                     os.setxattr(path, OPAQUE, b"y")
+        self.add_dirs(uppers, uid, gid, dirs)
+
+    def add_dirs(self, uppers, uid, gid, dirs):
+        """Make directories ``dirs`` (absolute, in the slot's view) and their missing
+        parents in layers ``uppers`` (mount -> directory), with the root's modes and owners
+        where it has them, else mode 0755 and the slot's ids."""
         for d in dirs:
             if d and d != "/":
                 mount, rel = self.layer_of(d)
@@ -240,6 +247,66 @@ class UpperPlan:
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(errno.ENOTDIR, "not a directory in the root", lower)
         return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+
+
+class SharedTemplate:
+    """The template layer every slot of a sandbox shares: the plan's entries (:meth:`UpperPlan.apply`)
+    and the directories all slots have (``dirs``: the workspaces' parent, the working and
+    control directories), made once, owned by root, in ``path`` (on the sandbox's tmpfs).
+
+    Each slot sees it through an idmapped mount of its own that shows root's files as the
+    slot's (:meth:`.rootfs.SlotRoot`, the user namespace its root's lower is mapped with):
+    three system calls per slot instead of ~150 (``mkdir``/``mknod``/``chown``/``chmod``
+    for each of ~40 entries: 1.6 s of the agents' 5 s of spawn-thread CPU over 1,000
+    fresh slots, ``cProfile`` with ``time.thread_time``). Directories of one slot only
+    (its workspace) go into each of its layers instead.
+
+    Where an entry is owned by another id than root's (a parent directory copied from the
+    root with its group, say), which the one-id mapping cannot show as it is on disk,
+    ``broken`` says so and slots make their own templates, as before.
+    Thread-safe."""
+
+    def __init__(self, path, plan, dirs):
+        self.path = path
+        self.plan = plan
+        self.dirs = [d for d in dirs if d and d != "/"]
+        self.broken = None  # why slots make their own templates instead, or None
+        self._tops = None
+        self._lock = threading.Lock()
+
+    def tops(self):
+        """The template's layer roots, one per plan mount, in the plan's order: made on the
+        first call. Raises OSError (``broken`` says why) when it cannot be made or used."""
+        with self._lock:
+            if self.broken is not None:
+                raise OSError(errno.EINVAL, self.broken)
+            if self._tops is None:
+                try:
+                    self._tops = self._make()
+                except OSError as exc:
+                    self.broken = "the shared template could not be made: %s" % (exc,)
+                    raise
+            return self._tops
+
+    def refuse(self, why):
+        """Stop using the template (an idmapped mount of it failed: ``why``)."""
+        with self._lock:
+            self.broken = "%s" % (why,)
+
+    def _make(self):
+        os.mkdir(self.path, 0o700)
+        tops = {m: os.path.join(self.path, str(i)) for i, m in enumerate(self.plan.mounts)}
+        for top in tops.values():
+            os.mkdir(top, 0o755)
+        self.plan.apply(tops, 0, 0, self.dirs)
+        for top in tops.values():  # the template's own: nothing of a slot is in it
+            for where, dirs, files in os.walk(top):
+                for name in [""] + dirs + files:
+                    st = os.lstat(os.path.join(where, name))
+                    if st.st_uid or st.st_gid:
+                        raise OSError(errno.EINVAL, "%s is owned by %d:%d, not root" % (
+                            os.path.join(where, name), st.st_uid, st.st_gid))
+        return [tops[m] for m in self.plan.mounts]
 
 
 def _make_dir(path, mode, owner, group, uid, gid):

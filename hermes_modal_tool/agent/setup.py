@@ -8,7 +8,18 @@ import resource
 import sys
 
 from .. import protocol
-from . import caps, cgroups, isolation, layerspares, rootfs, rootplan, shmwatch, slottmpfs, trees
+from . import (
+    caps,
+    cgroups,
+    isolation,
+    layerspares,
+    rootfs,
+    rootplan,
+    rootprobe,
+    shmwatch,
+    slottmpfs,
+    trees,
+)
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
 
@@ -126,7 +137,7 @@ class Setup:
                    else "the agent is not root, so slots cannot have a uid of their own")
         else:
             os.makedirs(self.state_dir, exist_ok=True)
-            why = rootfs.probe(self.state_dir, known=bool(cfg.get("layered_root_known")))
+            why = rootprobe.probe(self.state_dir, known=bool(cfg.get("layered_root_known")))
         if why:
             if wanted == "overlay":
                 raise RuntimeError("%s is not possible here: %s" % (
@@ -163,4 +174,9 @@ class Setup:
         self.upper_plan = rootplan.UpperPlan.for_image(self.image_root) if self.image_root \
             else rootplan.UpperPlan(hidden, cfg.get("masked") or [],
                                     bool(cfg.get("hide_host_top", False)))
+        # What all slots' templates hold: the workspaces' parent, the working and control
+        # directories (a slot's own workspace goes into its layers, see rootfs).
+        self.shared_template = rootplan.SharedTemplate(
+            os.path.join(self.template_dir, "shared"), self.upper_plan,
+            [self.workspace_base.rstrip("/") or "/", self.workdir, isolation.CTL_PATH])
         return "overlay", ""

@@ -43,7 +43,8 @@ class SlotRuntime:
                 # The control directory's mount point too: else bwrap makes it in every
                 # tenant's layer (a copy-up of /run and a directory on disk per shell start).
                 agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir, isolation.CTL_PATH],
-                os.path.join(agent.template_dir, "slot_%d" % index), agent.layer_spares)
+                os.path.join(agent.template_dir, "slot_%d" % index), agent.layer_spares,
+                agent.shared_template)
             if "HOME" not in agent.config.get("env", {}):
                 self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
             self.start_dir = agent.workdir or self.ws_path

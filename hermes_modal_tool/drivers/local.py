@@ -47,7 +47,7 @@ _UID_SEQ = itertools.count(random.randrange(0, 16384))
 _warned: set[tuple[str, str]] = set()  # (field, value) already warned about in this process
 _USERNS_OK: set[str] = set()  # bwrap paths known to work in this process
 #: State roots (by device) where an agent of this process gave its slots a layered root:
-#: later agents there skip the test mount (see :func:`.agent.rootfs.probe`).
+#: later agents there skip the test mount (see :func:`.agent.rootprobe.probe`).
 _LAYERED_OK: set[int] = set()
 
 
