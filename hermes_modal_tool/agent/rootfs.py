@@ -236,14 +236,9 @@ class SlotRoot:
                 self._tpl_mounts = mounted
                 self._own_dirs = [d for d in self.dirs if d and d != "/" and d not in shared.dirs]
                 return mounted
-        tops = [os.path.join(self.template, str(i)) for i in range(len(self.plan.mounts))]
-        if not os.path.isdir(self.template):
-            os.mkdir(self.template, 0o700)
-            for top in tops:
-                os.mkdir(top, 0o755)
-            self.plan.apply({m: tops[i] for i, m in enumerate(self.plan.mounts)}, self.uid, self.gid,
-                            self.dirs)
-        return tops
+        if os.path.isdir(self.template):
+            return self.plan.template_tops(self.template)
+        return self.plan.make_template(self.template, self.uid, self.gid, self.dirs)
 
     def _new_layer(self, stack=None):
         with self._lower_lock:

@@ -172,6 +172,20 @@ class UpperPlan:
                     os.setxattr(path, OPAQUE, b"y")
         self.add_dirs(uppers, uid, gid, dirs)
 
+    def template_tops(self, path):
+        """The layer roots of a template in ``path``: ``path/N`` for the plan's mount N."""
+        return [os.path.join(path, str(i)) for i in range(len(self.mounts))]
+
+    def make_template(self, path, uid, gid, dirs=()):
+        """Make a template layer in the new directory ``path`` (mode 0700): a layer root per
+        mount (:meth:`template_tops`, mode 0755) filled by :meth:`apply`; returns them."""
+        os.mkdir(path, 0o700)
+        tops = self.template_tops(path)
+        for top in tops:
+            os.mkdir(top, 0o755)
+        self.apply({m: tops[i] for i, m in enumerate(self.mounts)}, uid, gid, dirs)
+        return tops
+
     def add_dirs(self, uppers, uid, gid, dirs):
         """Make directories ``dirs`` (absolute, in the slot's view) and their missing
         parents in layers ``uppers`` (mount -> directory), with the root's modes and owners
@@ -250,9 +264,10 @@ class UpperPlan:
 
 
 class SharedTemplate:
-    """The template layer every slot of a sandbox shares: the plan's entries (:meth:`UpperPlan.apply`)
-    and the directories all slots have (``dirs``: the workspaces' parent, the working and
-    control directories), made once, owned by root, in ``path`` (on the sandbox's tmpfs).
+    """The template layer every slot of a sandbox shares: the plan's entries
+    (:meth:`UpperPlan.apply`) and the directories all slots have (``dirs``: the workspaces'
+    parent, the working and control directories), made once, owned by root, in ``path``
+    (on the sandbox's tmpfs).
 
     Each slot sees it through an idmapped mount of its own that shows root's files as the
     slot's (:meth:`.rootfs.SlotRoot`, the user namespace its root's lower is mapped with):
@@ -294,19 +309,15 @@ class SharedTemplate:
             self.broken = "%s" % (why,)
 
     def _make(self):
-        os.mkdir(self.path, 0o700)
-        tops = {m: os.path.join(self.path, str(i)) for i, m in enumerate(self.plan.mounts)}
-        for top in tops.values():
-            os.mkdir(top, 0o755)
-        self.plan.apply(tops, 0, 0, self.dirs)
-        for top in tops.values():  # the template's own: nothing of a slot is in it
+        tops = self.plan.make_template(self.path, 0, 0, self.dirs)
+        for top in tops:  # the template's own: nothing of a slot is in it
             for where, dirs, files in os.walk(top):
                 for name in [""] + dirs + files:
                     st = os.lstat(os.path.join(where, name))
                     if st.st_uid or st.st_gid:
                         raise OSError(errno.EINVAL, "%s is owned by %d:%d, not root" % (
                             os.path.join(where, name), st.st_uid, st.st_gid))
-        return [tops[m] for m in self.plan.mounts]
+        return tops
 
 
 def _make_dir(path, mode, owner, group, uid, gid):
