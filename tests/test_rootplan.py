@@ -125,3 +125,39 @@ def test_shared_template_refuses_an_entry_of_another_owner(tmp_path):
     shared.refuse("an idmapped mount of it failed: EINVAL")
     with pytest.raises(OSError, match="idmapped mount of it failed"):
         shared.tops()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to a slot's ids: root only")
+def test_add_dirs_gives_each_layer_the_roots_modes_worked_out_once(tmp_path):
+    # A group-shared /srv (set-group-id, group 50), a sticky world-writable /pub and a
+    # 0777 /open: what mkdir alone cannot give (the set-id and sticky bits, bits the
+    # umask clears, a bit inherited from a set-group-id parent) is set by chmod.
+    root = tmp_path / "img"
+    for name, mode, group in (("srv", 0o2775, 50), ("pub", 0o1777, 0), ("open", 0o777, 0)):
+        (root / name).mkdir(parents=True)
+        os.chown(root / name, 0, group)
+        os.chmod(root / name, mode)
+    plan = rootplan.UpperPlan.for_image(str(root))
+    dirs = ["/srv/ws/slot_1", "/pub/a", "/open/b", "/srv/ws", "", "/"]
+    ops = plan.dir_ops(dirs)
+    assert plan.dir_ops(dirs) is ops  # worked out once per list, replayed per layer
+    assert [op[1] for op in ops] == ["/srv", "/srv/ws", "/srv/ws/slot_1", "/pub", "/pub/a",
+                                     "/open", "/open/b"]
+    uid, gid = 203000, 203001
+    for i in range(2):
+        upper = tmp_path / f"upper{i}"
+        upper.mkdir(mode=0o755)
+        plan.add_dirs({"/": str(upper)}, uid, gid, dirs)
+        got = {p: (stat.S_IMODE(os.lstat(f"{upper}{p}").st_mode), os.lstat(f"{upper}{p}").st_uid,
+                   os.lstat(f"{upper}{p}").st_gid) for p in [op[1] for op in ops]}
+        assert got == {"/srv": (0o2775, uid, 50), "/srv/ws": (0o755, uid, gid),
+                       "/srv/ws/slot_1": (0o755, uid, gid), "/pub": (0o1777, uid, gid),
+                       "/pub/a": (0o755, uid, gid), "/open": (0o777, uid, gid),
+                       "/open/b": (0o755, uid, gid)}
+    # Already there: kept as it is; something else in the way: an error naming it.
+    plan.add_dirs({"/": str(tmp_path / "upper0")}, uid, gid, dirs)
+    blocked = tmp_path / "upper2"
+    (blocked / "srv").mkdir(parents=True)
+    (blocked / "srv" / "ws").write_text("")
+    with pytest.raises(FileExistsError, match="ws"):
+        plan.add_dirs({"/": str(blocked)}, uid, gid, dirs)

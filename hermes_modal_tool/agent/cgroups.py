@@ -220,7 +220,12 @@ def _own_cgroup_path(v2):
 
 
 def _mkdir(path):
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # its parent too
+        os.makedirs(path, exist_ok=True)
 
 
 def _rmdir(path):
@@ -232,8 +237,11 @@ def _rmdir(path):
 
 def _write(path, value, ignore=()):
     try:
-        with open(path, "w") as fh:
-            fh.write(value)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
     except OSError as exc:
         if exc.errno not in ignore:
             raise

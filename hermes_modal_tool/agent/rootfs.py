@@ -76,10 +76,15 @@ class _Layer:
         self.mounted = []  # overlay mount points, in mount order
         self.stack = stack  # the frozen layer (snapshot) this one sits on, or None
         self.lower_mounts = []  # idmapped mounts of frozen layers (unmounted after the overlays)
+        self._dirs = {}
 
     def dirs(self, i):
-        top = self.dir if i == 0 else os.path.join(self.dir, "layers", str(i))
-        return os.path.join(top, "upper"), os.path.join(top, "work")
+        """``(upper, work)`` of mount ``i``."""
+        got = self._dirs.get(i)
+        if got is None:
+            top = self.dir if i == 0 else os.path.join(self.dir, "layers", str(i))
+            got = self._dirs[i] = (os.path.join(top, "upper"), os.path.join(top, "work"))
+        return got
 
 
 class SlotRoot:
@@ -134,9 +139,10 @@ class SlotRoot:
 
     def ensure(self):
         """Mount the slot's root if it has none: the standby layer when one is ready (no
-        file system work), else a new one."""
+        file system work), else a new one. Returns whether it built one (then
+        ``base/current`` is not yet updated: :meth:`point_current`)."""
         if self.swap():
-            return
+            return False
         layer = self._build()
         with self._lock:
             if self.active is None:
@@ -144,7 +150,7 @@ class SlotRoot:
                 layer = None
         if layer is not None:  # another thread mounted one meanwhile
             self._keep_or_drop(layer)
-        self.point_current()
+        return True
 
     def swap(self):
         """Take the standby layer if the slot has none in use; True when it has one now.
@@ -252,7 +258,8 @@ class SlotRoot:
         os.chown(layer.dir, self.uid, self.gid)
         for i in range(len(self.plan.mounts)):
             upper, work = layer.dirs(i)
-            os.makedirs(os.path.dirname(upper), mode=0o700, exist_ok=True)
+            if i:  # dir/layers/N
+                os.makedirs(os.path.dirname(upper), mode=0o700, exist_ok=True)
             for path in (upper, work):
                 os.mkdir(path, 0o700)
         return layer

@@ -111,6 +111,7 @@ class UpperPlan:
         #: of the host's hiding applies to it (see :meth:`for_image`).
         self.root = image_root or ""
         self._ops = None  # template_ops, made on first use
+        self._dir_ops = {}  # dir_ops by list of directories
         if image_root:
             self.whiteouts, self.empty, self.mounts = [], [], ["/"]
             return
@@ -189,11 +190,53 @@ class UpperPlan:
     def add_dirs(self, uppers, uid, gid, dirs):
         """Make directories ``dirs`` (absolute, in the slot's view) and their missing
         parents in layers ``uppers`` (mount -> directory), with the root's modes and owners
-        where it has them, else mode 0755 and the slot's ids."""
-        for d in dirs:
-            if d and d != "/":
-                mount, rel = self.layer_of(d)
-                self._parents(uppers[mount], mount, rel, uid, gid, create_mode=0o755)
+        where it has them, else mode 0755 and the slot's ids (:meth:`dir_ops`); one that
+        is there already is kept as it is. Raises OSError as :meth:`_lower_dir` does, or
+        ``EEXIST`` where something other than a directory is in the way."""
+        mask = _umask()
+        for mount, rel, mode, owner, group, fix in self.dir_ops(dirs):
+            path = uppers[mount] + rel
+            try:
+                os.mkdir(path, mode)
+            except FileExistsError:
+                if not os.path.isdir(path):
+                    raise
+                continue
+            os.chown(path, uid if owner == 0 else owner, gid if group == 0 else group)
+            if fix or mode & mask:  # else mkdir gave the mode already
+                os.chmod(path, mode)
+
+    def dir_ops(self, dirs):
+        """The directories :meth:`add_dirs` makes for ``dirs`` in empty layers, parents
+        first, as ``(mount, rel, mode, owner, group, fix)`` (``rel`` below the layer root of
+        ``mount``, with a leading "/"; owner and group 0 stand for the slot's ids; ``fix``:
+        ``mkdir`` alone cannot give the mode, which has set-id or sticky bits or sits in a
+        set-group-id parent). Worked out once per list (a look at the root for each
+        directory), so that each new layer of a slot costs only its ``mkdir``, ``chown``
+        and, where needed, ``chmod``. Thread-safe (the same list either way). Raises
+        OSError as :meth:`_lower_dir` does."""
+        key = tuple(d for d in dirs if d and d != "/")
+        ops = self._dir_ops.get(key)
+        if ops is not None:
+            return ops
+        ops, modes = [], {}
+        for d in key:
+            mount, rel = self.layer_of(d)
+            parent_mode = 0o755 if mount == "/" else os.stat(self.source_of(mount)).st_mode
+            cur = ""
+            for part in [p for p in rel.split("/") if p]:
+                cur += "/" + part
+                if (mount, cur) not in modes:
+                    try:
+                        mode, owner, group = self._lower_dir(mount.rstrip("/") + cur)
+                    except FileNotFoundError:  # not in the root (nor below it): the slot's own
+                        mode, owner, group = 0o755, 0, 0
+                    fix = bool(mode & ~0o777 or parent_mode & stat.S_ISGID)
+                    ops.append((mount, cur, mode, owner, group, fix))
+                    modes[(mount, cur)] = mode
+                parent_mode = modes[(mount, cur)]
+        self._dir_ops[key] = ops
+        return ops
 
     def template_ops(self):
         """What :meth:`apply` makes before the slot's own directories, in order, as
@@ -326,3 +369,23 @@ def _make_dir(path, mode, owner, group, uid, gid):
     os.mkdir(path)
     os.chown(path, uid if owner == 0 else owner, gid if group == 0 else group)
     os.chmod(path, mode)
+
+
+_UMASK = []
+
+
+def _umask():
+    """The process's umask (``Umask:`` in ``/proc/self/status``, read once: the agent
+    sets it at its start); 0o777 where it cannot be read, so that every mode is set by
+    ``chmod``."""
+    if not _UMASK:
+        mask = 0o777
+        try:
+            with open("/proc/self/status") as fh:
+                for line in fh:
+                    if line.startswith("Umask:"):
+                        mask = int(line.split()[1], 8)
+        except (OSError, ValueError, IndexError):
+            pass
+        _UMASK.append(mask)
+    return _UMASK[0]

@@ -120,10 +120,12 @@ class SlotRuntime:
             return
         with self._root_lock:  # a pre-started shell and a file tool may both come here
             first = not self.root_built
-            root.ensure()
+            built = root.ensure()
             self.root_built = True
-        if first:
+        if first:  # it points base/current at the new layer too
             self.agent.loop.call_soon_threadsafe(self.agent.layer_work, root, None)
+        elif built:
+            root.point_current()
 
     def pids_limit_hit(self):
         """Whether a fork in the slot failed at its pids limit since this was last asked
