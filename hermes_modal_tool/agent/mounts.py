@@ -180,12 +180,14 @@ def _userns_fd_shared(uid, gid, inside):
 
 def _map_and_open(pid, uid, gid, inside):
     """Map ``inside`` to ``uid``/``gid`` in child ``pid``'s new user namespace; its fd."""
-    with open("/proc/%d/uid_map" % pid, "w") as fh:
-        fh.write("%d %d 1" % (inside, uid))
-    with open("/proc/%d/setgroups" % pid, "w") as fh:
-        fh.write("deny")
-    with open("/proc/%d/gid_map" % pid, "w") as fh:
-        fh.write("%d %d 1" % (inside, gid))
+    for name, text in (("uid_map", b"%d %d 1" % (inside, uid)), ("setgroups", b"deny"),
+                       ("gid_map", b"%d %d 1" % (inside, gid))):
+        fd = os.open("/proc/%d/%s" % (pid, name), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if os.write(fd, text) != len(text):  # these files take one whole write
+                raise OSError(errno.EIO, "short write to /proc/%d/%s" % (pid, name))
+        finally:
+            os.close(fd)
     return os.open("/proc/%d/ns/user" % pid, os.O_RDONLY | os.O_CLOEXEC)
 
 

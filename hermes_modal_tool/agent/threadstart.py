@@ -261,8 +261,11 @@ class ThreadStarter:
                 on_thread(tid)
             for path in tasks_files:  # by path: the start's namespace has no /sys
                 joined = True
-                with open(path, "w") as fh:
-                    fh.write(str(tid))
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(fd, b"%d" % tid)
+                finally:
+                    os.close(fd)
             _enter_copy(self.lib, self.mntns_fd)
             mounts.move_mount_fd(tree, tree_at)
             if self.enter_scope is not None:
@@ -292,7 +295,7 @@ class ThreadStarter:
         credentials: a task may move itself through a descriptor opened by root)."""
         for fd in self.own_tasks_fds:
             try:
-                os.write(fd, str(tid).encode())
+                os.write(fd, b"%d" % tid)
             except OSError:
                 pass  # it stays there until it ends; kill_slot never signals the agent
 
