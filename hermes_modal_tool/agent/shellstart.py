@@ -121,32 +121,46 @@ class ShellStart:
 
     async def _start_bounded(self, limit):
         """Spawn the shell and wait until it is ready, all within ``limit`` seconds (its turn
-        among the starting shells does not count); past it the call fails, never hangs."""
+        among the starting shells does not count); past it the call fails, never hangs.
+
+        One timer bounds both steps: while the shell is being spawned it cancels this
+        task (the spawn is given up: what it still starts is stopped when its thread
+        returns), once the shell is attached it kills it (:meth:`_wait_ready` says why)."""
         slot = self.slot
-        deadline = self.loop.time() + limit
         self.start_phase = "waiting for a fork, snapshot or reset of the slot to change its layers"
         self.spawn_tid = None  # set by _popen in its thread: only this start's children are killed
-        spawn = self.loop.create_task(self._spawn())
+        task = asyncio.current_task()
+        expired = []
+
+        def expire():
+            expired.append(True)
+            if self.ready_collector is None:  # not attached yet: still spawning
+                task.cancel()
+            else:
+                self.kill()
+
+        timer = self.loop.call_later(limit, expire)
         try:
-            done, _ = await asyncio.wait({spawn}, timeout=limit)
-        except asyncio.CancelledError:
-            spawn.cancel()
-            raise
-        if not done:
-            phase = self.start_phase
-            spawn.cancel()  # what the thread still starts is stopped when it returns
-            self.free_stuck_spawn()
-            return protocol_result(
-                "slot %d: its shell did not start within %gs (it was stuck %s); the next "
-                "command tries a new one" % (slot.index, limit, phase), 1)
-        try:
-            spawned = spawn.result()
-        except Exception as exc:  # noqa: BLE001 - reported as the call's result
-            return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
-        if spawned is None:
-            return protocol_result("the slot's shell was stopped before it started", 1)
-        self._attach(*spawned)
-        return await self._wait_ready(max(0.0, deadline - self.loop.time()), limit)
+            try:
+                spawned = await self._spawn()
+            except asyncio.CancelledError:
+                if not expired or self.ready_collector is not None:
+                    raise
+                uncancel = getattr(task, "uncancel", None)  # Python 3.11+: not cancelled after all
+                if uncancel is not None:
+                    uncancel()
+                self.free_stuck_spawn()
+                return protocol_result(
+                    "slot %d: its shell did not start within %gs (it was stuck %s); the next "
+                    "command tries a new one" % (slot.index, limit, self.start_phase), 1)
+            except Exception as exc:  # noqa: BLE001 - reported as the call's result
+                return protocol_result("the slot's shell could not be started: %s" % (exc,), 1)
+            if spawned is None:
+                return protocol_result("the slot's shell was stopped before it started", 1)
+            self._attach(*spawned)
+            return await self._wait_ready(expired, limit)
+        finally:
+            timer.cancel()
 
     async def _spawn(self):
         """``_popen`` in a "spawn" thread while the slot's layers stay put (a fork or
@@ -335,21 +349,14 @@ class ShellStart:
         if self.kill_on_start or self.slot.agent.closing:
             self.kill()
 
-    async def _wait_ready(self, wait_s, limit):
-        """Wait (at most ``wait_s``) for the marker that ends the init lines; ``limit`` is
-        the whole start's bound (for the message)."""
+    async def _wait_ready(self, expired, limit):
+        """Wait for the marker that ends the init lines; ``expired`` is not empty once the
+        start's bound (``limit`` seconds, for the message) has passed and the shell was
+        killed for it."""
         collector = self.ready_collector
-        expired = []
-
-        def expire():
-            expired.append(True)
-            self.kill()
-
-        timer = self.loop.call_later(wait_s, expire)
         try:
             ended = await collector.wait()
         finally:
-            timer.cancel()
             self.ready_collector = None
         if ended and self.alive:
             self.is_ready = True
