@@ -5,8 +5,8 @@ ext4, and the user namespaces of idmapped mounts made without copying the agent.
   puts each new subdirectory in a block group of its choosing), so the inodes of one
   slot's layers are not made in the group where thousands were just freed (on ext4
   without a journal each new inode scans past those). The sandbox's state directory,
-  its ``fs`` and every slot's layer directory carry the mark; the slots' mount points
-  (``mnt``) are on a tmpfs of the agent's.
+  its ``fs`` and every slot's layer directory once it has dropped a layer carry the
+  mark; the slots' mount points (``mnt``) are on a tmpfs of the agent's.
 - ``mounts.userns_fd`` makes its namespace with a ``clone(CLONE_VM | CLONE_NEWUSER)``
   child that shares the agent's memory: the namespace maps as the forked child's did,
   and nothing of the child is left (no process, no zombie, the caller's signal mask).
@@ -18,6 +18,7 @@ ext4, and the user namespaces of idmapped mounts made without copying the agent.
 from __future__ import annotations
 
 import array
+import asyncio
 import fcntl
 import os
 import subprocess
@@ -99,9 +100,18 @@ async def test_the_sandbox_state_and_each_slots_layers_are_spread(make_backend) 
     assert topdir(state) and topdir(state / "fs")
     assert "tmpfs" in agents_mounts_at(state / "mnt"), "the slots' mount points are not on a tmpfs"
     assert not os.listdir(state / "mnt")  # the host sees nothing of it
-    assert topdir(state / "fs" / f"slot_{slot.index}")
-    layers = [n for n in os.listdir(state / "fs" / f"slot_{slot.index}") if n.startswith("layer-")]
-    assert layers and not any(topdir(state / "fs" / f"slot_{slot.index}" / n) for n in layers)
+    base = state / "fs" / f"slot_{slot.index}"
+    layers = [n for n in os.listdir(base) if n.startswith("layer-")]
+    assert layers and not any(topdir(base / n) for n in layers)
+    # Its first layers are made beside it (no scan of every block group); once it drops
+    # one (a reset), each new layer is placed apart.
+    assert not topdir(base)
+    await backend.release(slot)
+    for _ in range(100):
+        if topdir(base):
+            break
+        await asyncio.sleep(0.05)
+    assert topdir(base)
 
 
 SHARED_CHILD = textwrap.dedent("""
