@@ -339,12 +339,12 @@ class SlotRoot:
                 parts.append(self._template_of(i))
                 parts.append(self._root_view(i))
                 per_mount.append(":".join(parts))
+            uppers = {m: layer.dirs(i)[0] for i, m in enumerate(self.plan.mounts)}
             for d in self.dirs:  # this slot's own workspace and workdir (merged with the frozen ones)
                 if d and d != "/":
                     mount, rel = self.plan.layer_of(d)
-                    upper = layer.dirs(self.plan.mounts.index(mount))[0]
-                    self.plan._parents(upper, mount, os.path.dirname(rel), self.uid, self.gid,
-                                       create_mode=0o755)
+                    upper = uppers[mount]
+                    self.plan.add_dirs(uppers, self.uid, self.gid, [os.path.dirname(d)])
                     path = os.path.join(upper, rel.lstrip("/"))
                     if not os.path.isdir(path):
                         os.mkdir(path, 0o755)

@@ -144,8 +144,12 @@ class UpperPlan:
     def own_upper(self, upper, mount, uid, gid):
         """Give layer root ``upper`` (of ``mount``) the slot's owner and the root's mode."""
         os.chown(upper, uid, gid)
-        os.chmod(upper, 0o755 if mount == "/" else
-                 stat.S_IMODE(os.stat(self.source_of(mount)).st_mode))
+        os.chmod(upper, self._top_mode(mount))
+
+    def _top_mode(self, mount):
+        """The mode of layer root ``mount`` in a slot's layers: 0755 for ``/``, else the
+        root's own."""
+        return 0o755 if mount == "/" else stat.S_IMODE(os.stat(self.source_of(mount)).st_mode)
 
     def apply(self, uppers, uid, gid, dirs=()):
         """Fill the new, empty layers ``uppers`` (mount -> directory: a slot's template, see
@@ -222,7 +226,7 @@ class UpperPlan:
         ops, modes = [], {}
         for d in key:
             mount, rel = self.layer_of(d)
-            parent_mode = 0o755 if mount == "/" else os.stat(self.source_of(mount)).st_mode
+            parent_mode = self._top_mode(mount)
             cur = ""
             for part in [p for p in rel.split("/") if p]:
                 cur += "/" + part
@@ -274,24 +278,6 @@ class UpperPlan:
             entry("file", "/" + conf, text)
         self._ops = ops
         return ops
-
-    def _parents(self, upper, mount, path, uid, gid, create_mode=None):
-        """Make ``path`` (relative to the layer's ``mount``) in ``upper`` with the lower's
-        modes; directories missing below get ``create_mode`` (owned by the slot's root)."""
-        cur = upper
-        for part in [p for p in path.split("/") if p]:
-            nxt = os.path.join(cur, part)
-            if not os.path.isdir(nxt):
-                try:
-                    mode, owner, group = self._lower_dir(
-                        os.path.join(mount, os.path.relpath(nxt, upper)))
-                except FileNotFoundError:
-                    if create_mode is None:
-                        raise
-                    mode, owner, group = create_mode, 0, 0
-                _make_dir(nxt, mode, owner, group, uid, gid)
-            cur = nxt
-        return cur
 
     def _lower_dir(self, lower):
         """``(mode, owner, group)`` of directory ``lower`` (a path of the slot's view) in
