@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 
-from . import mounts, scopes
+from . import cgroups, mounts, scopes
 
 #: ``(setgroups, setresgid, setresuid)`` syscall numbers by machine.
 _SYS_IDS = {"x86_64": (116, 119, 117), "aarch64": (159, 149, 147)}
@@ -177,9 +177,7 @@ def _own_tasks_fds():
     """Write descriptors of the agent's own cgroup v1 ``tasks`` files (memory, pids,
     cpu): a thread writes its id there to leave a slot's cgroups, with any credentials.
     Raises OSError when one is not where ``/proc/self/cgroup`` says."""
-    from .cgroups import _cgroup_mounts
-
-    where = _cgroup_mounts()["v1"]
+    where = cgroups._cgroup_mounts()["v1"]
     fds = []
     try:
         with open("/proc/self/cgroup") as fh:
@@ -261,11 +259,7 @@ class ThreadStarter:
                 on_thread(tid)
             for path in tasks_files:  # by path: the start's namespace has no /sys
                 joined = True
-                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-                try:
-                    os.write(fd, b"%d" % tid)
-                finally:
-                    os.close(fd)
+                cgroups._write(path, "%d" % tid)
             _enter_copy(self.lib, self.mntns_fd)
             mounts.move_mount_fd(tree, tree_at)
             if self.enter_scope is not None:
