@@ -19,7 +19,7 @@ import sys
 
 from .. import protocol
 from ..deadlines import Deadlines
-from . import admission, mounts, ptyprocs, rootfs, snapshots, spawner, streaming, trees
+from . import admission, mounts, ptyprocs, quiet, rootfs, snapshots, spawner, streaming, trees
 from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
 from .diskwatch import DiskWatch
 from .setup import Setup
@@ -69,6 +69,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.spawner = None  # the process that starts layered-root shells (agent/spawner.py)
         self.thread_starter = None  # ... or the agent's own threads do (agent/threadstart.py)
         self.thread_start_note = None  # how layered-root shells start, once one did
+        self.cpu_quiet = quiet.CpuQuiet(self._starts_wait)  # background work waits for it
 
     # -- io ------------------------------------------------------------------
     def send(self, message, batch=None):
@@ -225,7 +226,8 @@ class Agent(Setup, Calls, DiskWatch):
     def executor(self, name, threads=None):
         """The agent's worker threads called ``name``, made on first use: "spawn" (shells
         start: :data:`.shell.SPAWN_THREADS`), "files" (file tools, workspace wipes:
-        :data:`.calls.FILE_THREADS`), "layers" (slot layers, in order: 1), "disk"
+        :data:`.calls.FILE_THREADS`), "layers" (slot layers, in order: 1), "standby"
+        (standby layers, once the CPU is free: 1), "disk"
         (``slot_disk`` measurements: 1); ``threads`` for any other name (default 1)."""
         pool = self._executors.get(name)
         if pool is None:
@@ -236,8 +238,9 @@ class Agent(Setup, Calls, DiskWatch):
 
     def layer_work(self, root, old):
         """In the background (one worker thread, in order; the agent's loop never waits):
-        unmount and delete the dropped layer ``old`` (iteratively, never into a mount point),
-        point ``current`` at the layer in use and prepare the slot's next standby layer."""
+        unmount and delete the dropped layer ``old`` (iteratively, never into a mount point)
+        and point ``current`` at the layer in use. Then, in a thread of its own ("standby")
+        and once the CPU is free (:mod:`.quiet`), prepare the slot's next standby layer."""
         if self.closing and old is None:
             return
 
@@ -245,18 +248,29 @@ class Agent(Setup, Calls, DiskWatch):
             try:
                 root.point_current()
                 trash = root.retire(old) if old is not None else None
-                try:
-                    if not self.closing:
-                        root.prepare_standby()
-                finally:
-                    if trash is not None and self.layer_spares is not None:
-                        self.layer_spares.keep(trash)  # or deleted (agent/layerspares.py)
-                    elif trash is not None:
-                        trees.remove_tree(trash)
+                if trash is not None and self.layer_spares is not None:
+                    self.layer_spares.keep(trash)  # or deleted (agent/layerspares.py)
+                elif trash is not None:
+                    trees.remove_tree(trash)
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
                 sys.stderr.write("hermes-modal-tool agent: layer work failed: %s\n" % (exc,))
 
+        def standby():
+            try:
+                self.cpu_quiet.wait(lambda: self.closing)
+                if not self.closing:
+                    root.prepare_standby()
+            except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
+                sys.stderr.write("hermes-modal-tool agent: standby layer failed: %s\n" % (exc,))
+
         self.executor("layers").submit(work)
+        self.executor("standby").submit(standby)
+
+    def _starts_wait(self):
+        """Whether a call or a shell of this agent waits to start (read from a worker
+        thread: the loop's own counters, not locked)."""
+        limiter, gate = self._spawn_limiter, self._admission
+        return bool((limiter is not None and limiter.locked()) or (gate is not None and gate.waiting))
 
     @property
     def spawn_limiter(self):
@@ -345,7 +359,7 @@ class Agent(Setup, Calls, DiskWatch):
                 if self.cgroups.remove_all():
                     break
                 await asyncio.sleep(0.05)
-        for name in ("layers", "trash"):  # a layer being built, a tree being deleted
+        for name in ("layers", "standby", "trash"):  # a layer being built, a tree being deleted
             if name in self._executors:
                 await self.loop.run_in_executor(
                     None, functools.partial(self._executors[name].shutdown, True))
