@@ -229,6 +229,18 @@ def render(res: dict[str, Any], quick: bool) -> str:
                                                                   key=lambda kv: -kv[1]))
             add(f"      machine CPU per shell {fr['machine_cpu_ms_per_shell']:.2f} ms ({parts}) against "
                 f"{fl['machine_cpu_ms_per_start']:.2f} ms per `bwrap ... true` start")
+        if "live_floor" in fr:
+            lf = fr["live_floor"]
+            add(row(f"   floor: the same shells' processes without the agent (n={lf['n']})",
+                    f"{lf['per_s']:,.0f}", "", ""))
+            add(f"      (bwrap with a slot's options on the host's root, bash answering a first line, "
+                f"all kept running; {lf['parallel']} at a time; ours / it: "
+                f"{fr['shells_per_s'] / max(lf['per_s'], 1e-9):.2f}; machine CPU "
+                f"{lf['machine_cpu_ms_per_start']:.2f} ms per shell; failures: {lf['failed']})")
+        if "after_s" in fr:
+            add(f"      then, put off while the CPU was busy (standby layers): ours {fr['after_cpu_ms_per_shell']:.2f} ms, "
+                f"machine {fr['after_machine_cpu_ms_per_shell']:.2f} ms CPU per slot, done {fr['after_s']:.1f} s "
+                "after the batch")
         add("")
     if "streaming" in res:
         from streaming import render as render_streaming

@@ -1,5 +1,7 @@
 """Section f of ``benchmarks/engine.py``: shells per second at fresh slots, and where a
-shell start's CPU goes, beside the ``bwrap ... true`` floor measured in the same run.
+shell start's CPU goes, beside two floors measured in the same run: ``bwrap ... true``
+(starts that end at once) and the same shells' processes without the agent (bwrap with a
+slot's options and bash, kept running as slots' shells are).
 
 CPU is counted per process: for the agents (and their spawners) the growth over the
 batch of ``/proc/PID/stat``'s ``utime + stime`` (every thread, ended ones included) and
@@ -12,6 +14,7 @@ process of ours accounts for is "other" (kernel threads, this benchmark's own pr
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -57,6 +60,8 @@ async def fresh_shells(make_backend: Callable[[int, int], Awaitable[Any]], slots
         wall = perf() - t0
         c1, m1 = cpu_by_pid(), busy_cpu_s()
         failed = sum(not r.success for r in rs)
+        after_s, c2 = await _settle(c1)
+        m2 = busy_cpu_s()
         for s in ss:
             await b.release(s)
     finally:
@@ -65,7 +70,25 @@ async def fresh_shells(make_backend: Callable[[int, int], Awaitable[Any]], slots
     machine_ms = (m1 - m0) * 1e3 / slots
     split["other"] = machine_ms - sum(split.values())
     return {"slots": slots, "sandboxes": sandboxes, "wall_s": wall, "shells_per_s": slots / wall,
-            "failed": failed, "machine_cpu_ms_per_shell": machine_ms, "cpu_ms_per_shell": split}
+            "failed": failed, "machine_cpu_ms_per_shell": machine_ms, "cpu_ms_per_shell": split,
+            "after_s": after_s, "after_cpu_ms_per_shell": sum(_split(c1, c2, slots).values()),
+            "after_machine_cpu_ms_per_shell": (m2 - m1) * 1e3 / slots}
+
+
+async def _settle(start: dict[int, tuple[str, float]], limit: float = 30.0,
+                  idle_ms: float = 5.0) -> tuple[float, dict[int, tuple[str, float]]]:
+    """After the batch: wait until our processes use under ``idle_ms`` of CPU per 0.25 s,
+    two readings running (at most ``limit`` seconds): the work the agents put off while
+    the batch kept the CPU busy (the slots' standby layers, agent/quiet.py). Returns the
+    seconds until then and the last :func:`cpu_by_pid` reading."""
+    t0, last, calm = perf(), start, 0
+    while perf() - t0 < limit and calm < 2:
+        await asyncio.sleep(0.25)
+        now = cpu_by_pid()
+        used = sum(cpu - last.get(pid, (kind, 0.0))[1] for pid, (kind, cpu) in now.items() if kind != "gone")
+        calm = calm + 1 if used * 1e3 < idle_ms else 0
+        last = now
+    return perf() - t0, last
 
 
 def bwrap_true_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
@@ -85,4 +108,45 @@ def bwrap_true_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
         codes = list(pool.map(one, range(n)))
         wall, m1 = perf() - t0, busy_cpu_s()
     return {"n": n, "parallel": parallel, "per_s": n / wall, "failed": sum(c != 0 for c in codes),
+            "machine_cpu_ms_per_start": (m1 - m0) * 1e3 / n}
+
+
+#: A slot shell's bwrap options (agent/isolation.py), its root the host's, read-only.
+_SHELL_OPTIONS = ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL", "--unshare-pid",
+                  "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+                  "--new-session", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+                  "--size", "268435456", "--tmpfs", "/dev/shm", "--chdir", "/"]
+_SHELL_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+              "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "HOME": "/root"}
+
+
+def live_shells_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
+    """The processes of ``n`` slot shells without the agent: ``bwrap`` with a slot's
+    options (on the host's root, read-only: no overlay, cgroups or uid of its own) and
+    ``bash --noprofile --norc`` answering a first line, ``parallel`` started at a time
+    and all kept running until the last has answered, as slots' shells are. Shells per
+    second, and the machine's CPU per shell."""
+    argv = [bwrap, *_SHELL_OPTIONS, "bash", "--noprofile", "--norc"]
+    procs: list[subprocess.Popen] = []
+
+    def one(_: int) -> bool:
+        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env=_SHELL_ENV)
+        procs.append(p)
+        p.stdin.write(b"echo ready\n")
+        p.stdin.flush()
+        return p.stdout.readline() == b"ready\n"
+
+    try:
+        with ThreadPoolExecutor(parallel) as pool:
+            m0, t0 = busy_cpu_s(), perf()
+            ok = list(pool.map(one, range(n)))
+            wall, m1 = perf() - t0, busy_cpu_s()
+    finally:
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            p.wait()
+            p.stdout.close()
+    return {"n": n, "parallel": parallel, "per_s": n / wall, "failed": ok.count(False),
             "machine_cpu_ms_per_start": (m1 - m0) * 1e3 / n}

@@ -11,15 +11,19 @@ d. cold start: a pool with ``min_sandboxes=1`` to ready, an extra sandbox starte
 e. idle memory per live slot (``--slots``, default 1000): MemAvailable delta and the
    summed PSS of every engine process, divided by the number of slots;
 f. shells per second: the first ``true`` in 1,000 fresh slots (10 sandboxes x 100; every
-   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows,
-   with the CPU a shell takes by process kind beside the CPU of one such start (``_fresh.py``);
+   slot starts its shell), against ``bwrap ... true`` started as fast as the machine allows
+   and against the same shells' processes without the agent (bwrap with a slot's options
+   and bash answering a first line, all kept running), with the CPU a shell takes by
+   process kind beside the CPU of one such start, and the CPU of the work the agents put
+   off until the batch was over (standby layers, ``_fresh.py``);
 g. live output (``streaming.py``): one slot's streaming throughput against ``subprocess``
    reading the same ``head -c 100MB /dev/zero``, and a neighbour's ``echo`` while a slot
    of the same sandbox streams ``yes``.
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
 persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
-cpu cgroup of its own as a slot's shell is (b); bwrap starts per second (f, in ``_fresh.py``).
+cpu cgroup of its own as a slot's shell is (b); bwrap starts and live shells per second (f,
+in ``_fresh.py``).
 
 Usage::
 
@@ -57,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared ben
 import streaming  # noqa: E402 - section g
 from _engine_render import render, summary_ms  # noqa: E402
 from _floors import raw_bash_echo, raw_bash_throughput  # noqa: E402
-from _fresh import bwrap_true_rate, fresh_shells  # noqa: E402 - section f
+from _fresh import bwrap_true_rate, fresh_shells, live_shells_rate  # noqa: E402 - section f
 from _peers import (  # noqa: E402 - the peers we compare with (run_all.py uses them from here)
     _swerex_imports,
     latency_subprocess,
@@ -696,6 +700,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(_fresh_backend, n_fresh, 100)))
         res["fresh"]["floor"] = timed("f. floor: bwrap true", lambda: bwrap_true_rate(
             find_bwrap(), 100 if q else 400, os.cpu_count() or 2))
+        res["fresh"]["live_floor"] = timed("f. floor: live shells", lambda: live_shells_rate(
+            find_bwrap(), n_fresh, os.cpu_count() or 2))
     if "g" in sections:
         res["streaming"] = timed("g. streaming", lambda: asyncio.run(
             streaming.measure(20 if q else 100, 100 if q else 300)))
