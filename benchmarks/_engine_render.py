@@ -255,7 +255,7 @@ def render(res: dict[str, Any], quick: bool) -> str:
         f"cgroups {cl.get('our_cgroups')}")
     if res.get("subreaper"):
         add(f"         orphans re-parented to this process (we are a child subreaper): {cl.get('orphans_reaped')} "
-            f"zombies reaped (slot inits orphaned by kills at reset/stop), live: {cl.get('orphans_live')}")
+            f"zombies reaped (bwrap inits whose outer bwrap ended first: slots killed at reset/stop, the live floor's shells), live: {cl.get('orphans_live')}")
     live, zombie = cl.get("pgrep_bwrap_live") or [], cl.get("pgrep_bwrap_zombie") or []
     add(f"         `pgrep -f bwrap` machine-wide: {len(live)} live {live[:8]}{' ...' if len(live) > 8 else ''}, "
         f"{len(zombie)} zombie{' (other users of the machine: ours are re-parented to us and reaped)' if live or zombie else ''}")
