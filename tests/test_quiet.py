@@ -88,6 +88,17 @@ def test_a_wait_ends_at_its_budget_or_when_stopped(tmp_path):
     assert stop_at <= m.now < stop_at + 0.1
 
 
+def test_work_queued_behind_waiting_work_waits_no_longer_than_its_budget(tmp_path):
+    """On a machine that stays busy, each wait ends at its own work's budget, counted from
+    when it was queued: work queued behind it does not wait a budget more each."""
+    m = Machine(tmp_path / "cpu", share=1.0, avg10=1.0)
+    q = m.quiet(budget=2.0)
+    queued = [m.now + 0.1 * i for i in range(5)]  # five pieces, queued 0.1 s apart
+    for when in queued:
+        q.wait(lambda: False, since=when)
+    assert queued[-1] + 2.0 <= m.now < queued[-1] + 2.1  # not 5 x 2 s
+
+
 def test_the_agents_own_waiting_starts_count_without_psi(tmp_path):
     """No PSI (gVisor, psi=0): only the agent's own signal; the path is not read again."""
     m = Machine(tmp_path / "cpu")

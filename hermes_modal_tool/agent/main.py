@@ -255,9 +255,11 @@ class Agent(Setup, Calls, DiskWatch):
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
                 sys.stderr.write("hermes-modal-tool agent: layer work failed: %s\n" % (exc,))
 
+        queued = self.cpu_quiet.clock()
+
         def standby():
             try:
-                self.cpu_quiet.wait(lambda: self.closing)
+                self.cpu_quiet.wait(lambda: self.closing, since=queued)
                 if not self.closing:
                     root.prepare_standby()
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself

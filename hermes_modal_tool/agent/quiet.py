@@ -90,15 +90,14 @@ class CpuQuiet:
         share = self.pressure()
         return share is not None and share >= self.busy
 
-    def wait(self, stop):
+    def wait(self, stop, since=None):
         """Block until the CPU is not saturated, ``stop()`` is true, or ``budget`` seconds
-        have passed. Returns True when the CPU was found free."""
-        deadline = None
+        have passed since ``since`` (a reading of ``clock``: when the work was queued, so
+        that work queued behind other waiting work does not wait longer; default now).
+        Returns True when the CPU was found free."""
+        deadline = (self.clock() if since is None else since) + self.budget
         while self.saturated():
-            now = self.clock()
-            if deadline is None:
-                deadline = now + self.budget
-            if now >= deadline or stop():
+            if self.clock() >= deadline or stop():
                 return False
             self.sleep(self.poll)
         return True
