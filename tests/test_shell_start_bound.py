@@ -33,7 +33,7 @@ class _Admission:
 
 def _slot(tmp_path, pool: ThreadPoolExecutor) -> SimpleNamespace:
     agent = SimpleNamespace(
-        spawn_limiter=asyncio.Semaphore(4), admission=_Admission(), closing=False,
+        spawn_limiter=asyncio.Semaphore(4), admission=_Admission(), closing=False, shells_starting=0,
         config={"shell_start_timeout": LIMIT_S}, executor=lambda name: pool, isolation="none")
     ctl = tmp_path / "ctl"
     ctl.mkdir()
@@ -81,6 +81,7 @@ async def test_a_stuck_spawn_fails_in_time_and_what_it_starts_late_is_stopped(tm
             "spawn)"), failed
         assert took < 5, took  # the bound, not the blocked step's 30 s
         assert shell.starting is None and shell.proc is None and not shell.ready
+        assert shell.slot.agent.shells_starting == 0  # background work no longer waits for it
         go.set()  # the blocked step comes back and starts its bash: it is stopped
 
         def reaped() -> int:
@@ -95,6 +96,7 @@ async def test_a_stuck_spawn_fails_in_time_and_what_it_starts_late_is_stopped(tm
         shell._popen = lambda: _bash(started)  # the next start of the same slot works
         assert await asyncio.wait_for(shell.ensure_ready(), 20) is None
         assert shell.ready and shell.proc is started[1] and shell.bash_pid == started[1].pid
+        assert shell.slot.agent.shells_starting == 0
     finally:
         go.set()
         for proc in started:

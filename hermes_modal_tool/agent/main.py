@@ -69,6 +69,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.spawner = None  # the process that starts layered-root shells (agent/spawner.py)
         self.thread_starter = None  # ... or the agent's own threads do (agent/threadstart.py)
         self.thread_start_note = None  # how layered-root shells start, once one did
+        self.shells_starting = 0  # shells between their start and ready (or failure)
         self.cpu_quiet = quiet.CpuQuiet(self._starts_wait)  # background work waits for it
 
     # -- io ------------------------------------------------------------------
@@ -269,10 +270,10 @@ class Agent(Setup, Calls, DiskWatch):
         self.executor("standby").submit(standby)
 
     def _starts_wait(self):
-        """Whether a call or a shell of this agent waits to start (read from a worker
-        thread: the loop's own counters, not locked)."""
-        limiter, gate = self._spawn_limiter, self._admission
-        return bool((limiter is not None and limiter.locked()) or (gate is not None and gate.waiting))
+        """Whether a shell of this agent is starting or a call waits for admission (read
+        from a worker thread: a count and a dict's size the loop keeps, not locked)."""
+        gate = self._admission
+        return self.shells_starting > 0 or (gate is not None and len(gate.waiting) > 0)
 
     @property
     def spawn_limiter(self):

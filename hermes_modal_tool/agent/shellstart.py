@@ -100,6 +100,7 @@ class ShellStart:
 
     async def _start(self):
         agent = self.slot.agent
+        agent.shells_starting += 1
         try:
             if self.proc is not None and not self.alive:
                 self.close_fds()  # it died; _on_output already reaped it
@@ -116,6 +117,7 @@ class ShellStart:
                 finally:
                     agent.admission.release(key)
         finally:
+            agent.shells_starting -= 1
             if self.starting is asyncio.current_task():
                 self.starting = None
 
