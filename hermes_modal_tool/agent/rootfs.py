@@ -125,6 +125,7 @@ class SlotRoot:
         self._lock = threading.Lock()  # guards active/standby (held only for pointer swaps)
         self._lower_lock = threading.Lock()  # guards the lowers and layer numbering
         self._ns_lock = threading.Lock()  # guards _userns
+        self._current_lock = threading.Lock()  # one update of base/current at a time
         self._views = {}  # mount index -> the root's read-only overlay view (for forks)
         self._view_mounts = []
         self._spread = False  # base marked: new layers are placed apart (retire)
@@ -421,18 +422,20 @@ class SlotRoot:
         return layer
 
     def point_current(self):
-        """Update ``base/current`` (informational) to the layer in use."""
-        active = self.active
-        if active is None:
-            return
-        link = os.path.join(self.base, "current")
-        tmp = link + ".new"
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        os.symlink(os.path.basename(active.dir), tmp)
-        os.rename(tmp, link)
+        """Update ``base/current`` (informational) to the layer in use. Thread-safe (a
+        start's worker thread and the standby thread both point it)."""
+        with self._current_lock:
+            active = self.active
+            if active is None:
+                return
+            link = os.path.join(self.base, "current")
+            tmp = link + ".new"
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            os.symlink(os.path.basename(active.dir), tmp)
+            os.rename(tmp, link)
 
     def teardown(self):
         """Unmount everything of this slot (the agent is stopping)."""
