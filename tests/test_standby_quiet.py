@@ -1,14 +1,16 @@
 """Standby layers wait for a free CPU (agent/quiet.py), and are all made once it is.
 
-Slots started at once: while their shells wait to start, the agent puts off the next
-tenants' standby layers; once the starts are done (and the machine's CPU pressure is low,
-or the wait's budget is spent) every used slot has one.
+Slots started at once: while their shells start, the agent puts off the next tenants'
+standby layers (none is made before the last of those shells' roots); once the starts
+are done (and the machine's CPU pressure is low, or the wait's budget is spent) every
+used slot has one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 from support import bash, layered
@@ -37,6 +39,7 @@ async def test_slots_started_at_once_all_get_a_standby_layer(make_backend):
     [sandbox] = pool._sandboxes.values()
     state = next(d for d in backend._drivers.values()).state_root / sandbox.sandbox_id
     slots = [await backend.acquire(f"t{i}") for i in range(n)]
+    started = time.time()
     results = await backend.execute_batch(
         [(s, "bash", {"command": "echo hi > /etc/mine; echo $HOSTNAME"}) for s in slots])
     assert [r.output for r in results] == [f"slot-{s.index}\n" for s in slots], results
@@ -48,6 +51,13 @@ async def test_slots_started_at_once_all_get_a_standby_layer(make_backend):
             break
         await asyncio.sleep(0.1)
     assert all(len(v) == 2 for v in layers.values()), layers  # in use, and the standby
+    # Put off while shells were starting: no standby made in the batch (for a slot whose
+    # shell started in it) is older than the last layer in use made in it.
+    made = {i: [os.stat(state / "fs" / f"slot_{i}" / name).st_mtime for name in v] for i, v in layers.items()}
+    in_batch = [m for m in made.values() if m[0] >= started]
+    assert len(in_batch) >= n // 2, made  # most shells start in the batch, not ahead of it
+    last_root = max(m[0] for m in in_batch)
+    assert all(m[1] >= last_root for m in in_batch), (last_root, made)
     for s in slots:
         await backend.release(s, reset_workspace=True)
     again = [await backend.acquire(f"u{i}") for i in range(n)]

@@ -238,20 +238,21 @@ class Agent(Setup, Calls, DiskWatch):
         return pool
 
     def layer_work(self, root, old):
-        """In the background (the agent's loop never waits): unmount and delete the dropped
-        layer ``old`` (one worker thread, "layers", in order; iteratively, never into a mount
-        point). Then, in a thread of its own ("standby") and once the CPU is free
-        (:mod:`.quiet`), point ``current`` at the layer in use and prepare the slot's next
-        standby layer."""
+        """In the background (the agent's loop never waits), in one worker thread
+        ("layers"), in order: point ``current`` at the layer in use and unmount and delete
+        the dropped layer ``old`` (iteratively, never into a mount point). Then, in a
+        thread of its own ("standby") and once the CPU is free (:mod:`.quiet`), prepare the
+        slot's next standby layer."""
         if self.closing and old is None:
             return
 
         def work():
             try:
-                trash = root.retire(old)
-                if self.layer_spares is not None:
+                root.point_current()
+                trash = root.retire(old) if old is not None else None
+                if trash is not None and self.layer_spares is not None:
                     self.layer_spares.keep(trash)  # or deleted (agent/layerspares.py)
-                else:
+                elif trash is not None:
                     trees.remove_tree(trash)
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
                 sys.stderr.write("hermes-modal-tool agent: layer work failed: %s\n" % (exc,))
@@ -262,13 +263,11 @@ class Agent(Setup, Calls, DiskWatch):
             try:
                 self.cpu_quiet.wait(lambda: self.closing, since=queued)
                 if not self.closing:
-                    root.point_current()
                     root.prepare_standby()
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
                 sys.stderr.write("hermes-modal-tool agent: standby layer failed: %s\n" % (exc,))
 
-        if old is not None:
-            self.executor("layers").submit(work)
+        self.executor("layers").submit(work)
         self.executor("standby").submit(standby)
 
     def _starts_wait(self):

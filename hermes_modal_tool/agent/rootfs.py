@@ -422,8 +422,9 @@ class SlotRoot:
         return layer
 
     def point_current(self):
-        """Update ``base/current`` (informational) to the layer in use. Thread-safe (a
-        start's worker thread and the standby thread both point it)."""
+        """Update ``base/current`` (for people and tests: where the slot's files are) to
+        the layer in use. Thread-safe (a start's worker thread and the layers thread both
+        point it)."""
         with self._current_lock:
             active = self.active
             if active is None:

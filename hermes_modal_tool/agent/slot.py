@@ -122,7 +122,7 @@ class SlotRuntime:
             first = not self.root_built
             built = root.ensure()
             self.root_built = True
-        if first:  # it points base/current at the new layer too (once the CPU is free)
+        if first:  # it points base/current at the new layer too
             self.agent.loop.call_soon_threadsafe(self.agent.layer_work, root, None)
         elif built:
             root.point_current()
