@@ -10,6 +10,7 @@ import os
 import signal
 
 from .isolation import _kill
+from .mounts import write_control
 
 
 class Cgroups:
@@ -237,11 +238,7 @@ def _rmdir(path):
 
 def _write(path, value, ignore=()):
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, value.encode())
-        finally:
-            os.close(fd)
+        write_control(path, value.encode())
     except OSError as exc:
         if exc.errno not in ignore:
             raise

@@ -178,16 +178,23 @@ def _userns_fd_shared(uid, gid, inside):
         del stack  # only now: the child ran on it until the wait
 
 
+def write_control(path, data):
+    """Write ``data`` (bytes) to the kernel's control file ``path`` (a user namespace's
+    id maps, a cgroup's limits or ``tasks``) in one ``write``, as such files take it: no
+    Python file object. Raises OSError (``EIO`` on a short write)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.EIO, "short write to %s" % path)
+    finally:
+        os.close(fd)
+
+
 def _map_and_open(pid, uid, gid, inside):
     """Map ``inside`` to ``uid``/``gid`` in child ``pid``'s new user namespace; its fd."""
     for name, text in (("uid_map", b"%d %d 1" % (inside, uid)), ("setgroups", b"deny"),
                        ("gid_map", b"%d %d 1" % (inside, gid))):
-        fd = os.open("/proc/%d/%s" % (pid, name), os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            if os.write(fd, text) != len(text):  # these files take one whole write
-                raise OSError(errno.EIO, "short write to /proc/%d/%s" % (pid, name))
-        finally:
-            os.close(fd)
+        write_control("/proc/%d/%s" % (pid, name), text)
     return os.open("/proc/%d/ns/user" % pid, os.O_RDONLY | os.O_CLOEXEC)
 
 
