@@ -24,6 +24,8 @@ from typing import Any
 
 from _proc import TICK, busy_cpu_s, descendants, proc_kind, proc_stats, schedstat_s
 
+from hermes_modal_tool.drivers.local import BASE_PATH
+
 perf = time.perf_counter
 
 
@@ -91,6 +93,19 @@ async def _settle(start: dict[int, tuple[str, float]], limit: float = 30.0,
     return perf() - t0, last
 
 
+def _start_rate(one: Callable[[int], Any], n: int, parallel: int, warm: int) -> tuple[list[Any], dict[str, Any]]:
+    """``one(i)`` for ``i`` in ``range(n)``, ``parallel`` at a time, after ``warm`` calls
+    that are not timed: their results, and starts per second and the machine's CPU per
+    start (the starting threads' ``fork``/``exec`` included) as the floors report them."""
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(one, range(warm)))
+        m0, t0 = busy_cpu_s(), perf()
+        results = list(pool.map(one, range(n)))
+        wall, m1 = perf() - t0, busy_cpu_s()
+    return results, {"n": n, "parallel": parallel, "per_s": n / wall,
+                     "machine_cpu_ms_per_start": (m1 - m0) * 1e3 / n}
+
+
 def bwrap_true_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
     """Start ``n`` ``bwrap --unshare-user --unshare-pid ... true``, ``parallel`` at a time:
     sandboxes per second (the floor of starting slot shells), and the machine's CPU per
@@ -102,22 +117,18 @@ def bwrap_true_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
         return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               check=False).returncode
 
-    with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(one, range(min(n, parallel))))  # warm
-        m0, t0 = busy_cpu_s(), perf()
-        codes = list(pool.map(one, range(n)))
-        wall, m1 = perf() - t0, busy_cpu_s()
-    return {"n": n, "parallel": parallel, "per_s": n / wall, "failed": sum(c != 0 for c in codes),
-            "machine_cpu_ms_per_start": (m1 - m0) * 1e3 / n}
+    codes, rate = _start_rate(one, n, parallel, warm=min(n, parallel))
+    return {**rate, "failed": sum(c != 0 for c in codes)}
 
 
-#: A slot shell's bwrap options (agent/isolation.py), its root the host's, read-only.
+#: A slot shell's bwrap options (agent/isolation.py: ``bwrap_root_argv``, whose own
+#: argv cannot serve here: it binds the control directory at ``/run/hmt``, which on the
+#: host's root would make that directory on the host), its root the host's, read-only.
 _SHELL_OPTIONS = ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL", "--unshare-pid",
                   "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
                   "--new-session", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
                   "--size", "268435456", "--tmpfs", "/dev/shm", "--chdir", "/"]
-_SHELL_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-              "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "HOME": "/root"}
+_SHELL_ENV = {"PATH": BASE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "HOME": "/root"}
 
 
 def live_shells_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
@@ -138,15 +149,11 @@ def live_shells_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
         return p.stdout.readline() == b"ready\n"
 
     try:
-        with ThreadPoolExecutor(parallel) as pool:
-            m0, t0 = busy_cpu_s(), perf()
-            ok = list(pool.map(one, range(n)))
-            wall, m1 = perf() - t0, busy_cpu_s()
+        ok, rate = _start_rate(one, n, parallel, warm=0)
     finally:
         for p in procs:
             p.stdin.close()
         for p in procs:
             p.wait()
             p.stdout.close()
-    return {"n": n, "parallel": parallel, "per_s": n / wall, "failed": ok.count(False),
-            "machine_cpu_ms_per_start": (m1 - m0) * 1e3 / n}
+    return {**rate, "failed": ok.count(False)}
