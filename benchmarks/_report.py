@@ -1,15 +1,14 @@
-"""The report of benchmarks/run_all.py: plots (PNG) and markdown, made from ``report.json`` only.
+"""The report of benchmarks/run_all.py: markdown, made from ``report.json`` only (the
+plots are in :mod:`_report_plots`).
 
-Nothing here measures: :func:`render_readme` and the ``plot_*`` functions read the
-report dict that ``run_all.py`` wrote (or the committed ``benchmarks/results/report.json``),
-so the README can be rebuilt from it at any time.
+Nothing here measures: :func:`render_readme` reads the report dict that ``run_all.py``
+wrote (or the committed ``benchmarks/results/report.json``), so the README can be rebuilt
+from it at any time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from _proc import quantile
@@ -35,121 +34,6 @@ def dig(d: Any, path: str, default: Any = None) -> Any:
             return default
         d = d[key]
     return d
-
-
-# -- the report: plots ------------------------------------------------------------------------
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
-    return plt
-
-
-def _log_ticks(ax: Any, xs: Sequence[int]) -> None:
-    """A log x axis with a labelled tick at each measured x (and no others)."""
-    ax.set_xscale("log")
-    ax.set_xticks(list(xs), [str(x) for x in xs])
-    ax.minorticks_off()
-
-
-def _save(fig: Any, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    _plt().close(fig)
-    return path.name
-
-
-def plot_latency(rep: dict[str, Any], out: Path) -> str | None:
-    systems = {k: v for k, v in (dig(rep, "latency.systems") or {}).items() if v.get("n")}
-    if not systems:
-        return None
-    plt = _plt()
-    fig, axes = plt.subplots(len(systems), 1, figsize=(8, 1.25 * len(systems) + 0.9), sharex=True)
-    axes = [axes] if len(systems) == 1 else axes
-
-    def edge(i: int) -> float:  # the lower edge of histogram bin i, ms
-        return HIST_LO_S * 10 ** (i / HIST_PER_DECADE) * 1e3
-
-    for ax, (key, d) in zip(axes, systems.items(), strict=True):
-        label, colour = SYSTEMS[key]
-        for i, c in d["hist"].items():
-            ax.bar(edge(int(i)), c / d["n"], width=edge(int(i) + 1) - edge(int(i)), align="edge",
-                   color=colour, alpha=0.8)
-        ax.axvline(d["ms"]["p50"], color="black", lw=1)
-        ax.set_ylabel("share", fontsize=7)
-        ax.set_title(f"{label}: median {fmt_ms(d['ms']['p50'])}, p99 {fmt_ms(d['ms']['p99'])} "
-                     f"(n={d['n']})", fontsize=8, loc="left")
-    axes[-1].set_xscale("log")
-    axes[-1].set_xlabel(f"`{dig(rep, 'latency.command')}` round trip, ms (log); line: median")
-    return _save(fig, out / "latency.png")
-
-
-def plot_slots(rep: dict[str, Any], out: Path) -> str | None:
-    tp = rep.get("throughput_vs_slots")
-    if not tp:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    what = {"ours_local": "", "ours_modal": " (local control plane)",
-            "exec_original": " (N concurrent execs, local control plane)",
-            "swerex": " (N sessions in threads)", "subprocess": " (thread pool of N)"}
-    for key, extra in what.items():
-        pts = tp.get(key) or []
-        if pts:
-            label, colour = SYSTEMS[key]
-            ax.plot([p["slots"] for p in pts], [p["calls_per_s"] for p in pts], "o-",
-                    color=colour, label=label + extra)
-    _log_ticks(ax, sorted({p["slots"] for k in what for p in tp.get(k) or []}))
-    ax.set_yscale("log")
-    ax.set_xlabel(f"slots (concurrent calls); ours: {tp['per_sandbox']} slots per sandbox")
-    ax.set_ylabel("trivial commands per second (log)")
-    ax.legend(fontsize=8)
-    return _save(fig, out / "throughput_vs_slots.png")
-
-
-def plot_sps(rep: dict[str, Any], out: Path) -> str | None:
-    lay = dig(rep, "throughput_vs_sps.layouts")
-    if not lay:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    names = [f"{x['sandboxes']} x {x['slots_per_sandbox']}" for x in lay]
-    bars = ax.bar(names, [x["calls_per_s"] for x in lay], color=SYSTEMS["ours_local"][1])
-    for b, x in zip(bars, lay, strict=True):
-        ax.annotate(f"{x['calls_per_s']:,.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_xlabel(f"{rep['throughput_vs_sps']['slots']} slots as sandboxes x slots_per_sandbox "
-                  "(local driver)")
-    ax.set_ylabel("trivial commands per second")
-    return _save(fig, out / "throughput_vs_slots_per_sandbox.png")
-
-
-def plot_memory(rep: dict[str, Any], out: Path) -> str | None:
-    mem = memory_rows(rep)
-    lay = dig(rep, "throughput_vs_sps.layouts") or []
-    if not mem and not lay:
-        return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2 if lay else 1, figsize=(9, 4), squeeze=False)
-    ax = axes[0][0]
-    ax.barh([m[0] for m in mem], [m[1] for m in mem], color=[m[2] for m in mem])
-    for i, m in enumerate(mem):
-        ax.annotate(f" {m[1]:.2f}", (m[1], i), va="center", fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("MiB per idle slot / session")
-    if lay:
-        ax = axes[0][1]
-        ax.plot([x["slots_per_sandbox"] for x in lay], [x["pss_mib_per_slot"] for x in lay], "o-",
-                color=SYSTEMS["ours_local"][1])
-        _log_ticks(ax, [x["slots_per_sandbox"] for x in lay])
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel(f"slots_per_sandbox ({rep['throughput_vs_sps']['slots']} slots, "
-                      "local driver)")
-        ax.set_ylabel("ours: PSS MiB per slot")
-    return _save(fig, out / "memory_per_slot.png")
 
 
 def memory_rows(rep: dict[str, Any]) -> list[tuple[str, float, str]]:
@@ -180,32 +64,6 @@ def rpc_rows(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if d:
         rows["langchain_modal"] = {**d, "source": "run_all.py"}
     return rows
-
-
-def plot_rpcs(rep: dict[str, Any], out: Path) -> str | None:
-    rows = rpc_rows(rep)
-    if not rows:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    methods = sorted({m for r in rows.values() for m in r["rpcs"]})
-    names = [SYSTEMS[k][0] for k in rows]
-    bottom = [0.0] * len(rows)
-    cmap = plt.get_cmap("tab10")
-    for j, m in enumerate(methods):
-        vals = [r["rpcs"].get(m, 0.0) for r in rows.values()]
-        ax.barh(names, vals, left=bottom, label=m, color=cmap(j))
-        bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
-    for i, (total, r) in enumerate(zip(bottom, rows.values(), strict=True)):
-        sm = sum(r["stream_messages"].values())
-        ax.annotate(f" {total:g} RPCs, {sm:g} stream messages", (total, i), va="center",
-                    fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(bottom + [1]) * 2.0)
-    ax.set_xlabel("RPCs per warm command (by method), local Modal control plane")
-    if methods:
-        ax.legend(fontsize=7, loc="upper right")
-    return _save(fig, out / "rpcs_per_command.png")
 
 
 # -- the report: markdown ---------------------------------------------------------------------
@@ -364,10 +222,12 @@ def script_lines(rep: dict[str, Any]) -> list[str]:
                                                             ("subprocess", "subprocess.run"))
                        if dig(lat, f"{k}.median") is not None))
     for t in dig(e, "throughput.ours") or []:
+        cpu = t.get("cpu_us_per_call") or {}
         out.append(f"- engine.py, {t['slots']} slots in {t['sandboxes']} sandbox(es) x "
                    f"{t['calls'] // t['slots']} rounds: {fmt_rate(t['rounds_calls_per_s'])} "
                    f"calls/s (as one batch: {fmt_rate(t['big_batch_calls_per_s'])}); CPU per "
-                   f"call {sum((t.get('cpu_us_per_call') or {}).values()):.0f} µs")
+                   f"call {sum(cpu.values()):.0f} µs ("
+                   + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items() if round(v)) + ")")
     for k, name in (("subprocess_threads", "subprocess.run in {workers} threads"),
                     ("swerex_threads", "SWE-ReX, {sessions} sessions in threads")):
         t = dig(e, f"throughput.{k}")
@@ -380,6 +240,26 @@ def script_lines(rep: dict[str, Any]) -> list[str]:
                    f"extra sandbox by pool growth {fmt_ms(dig(c, 'growth_sandbox_start.median'))}"
                    f", first command in a fresh slot "
                    f"{fmt_ms(dig(c, 'first_cmd_fresh_slot.median'))}")
+    cyc = dig(e, "acquire_release.acquire_cmd_release")
+    if cyc and cyc.get("median") is not None:
+        paced = dig(e, "acquire_release.acquire_cmd_release_paced") or {}
+        out.append(f"- engine.py, acquire + first command + release with reset: p50 "
+                   f"{fmt_ms(cyc['median'])}, p99 {fmt_ms(cyc['p99'])} (n={cyc['n']}, back to back)"
+                   + (f"; one cycle every {dig(e, 'acquire_release.pace_s', 0) * 1e3:.0f} ms: p50 "
+                      f"{fmt_ms(paced['median'])}, p99 {fmt_ms(paced['p99'])} (n={paced['n']})"
+                      if paced.get("median") is not None else ""))
+    fresh = dig(e, "fresh") or {}
+    if fresh.get("shells_per_s"):
+        line = (f"- engine.py, the first `true` in {fresh['slots']:,} fresh slots "
+                f"({fresh['sandboxes']} sandboxes, one batch): {fmt_rate(fresh['shells_per_s'])} "
+                f"shells/s, {fresh['failed']} failed")
+        for key, name in (("floor", "`bwrap ... true` 2 at a time"),
+                          ("live_floor", "the same shells' processes without the agent")):
+            per_s = dig(fresh, f"{key}.per_s")
+            if per_s:
+                line += (f"; {name}: {fmt_rate(per_s)}/s in the same run (ours / it: "
+                         f"{fresh['shells_per_s'] / per_s:.2f})")
+        out.append(line)
     if dig(e, "memory.slots") is not None:
         mm = e["memory"]
         out.append(f"- engine.py, {mm['slots']} idle slots in {mm['sandboxes']} sandboxes: "

@@ -66,14 +66,10 @@ from _report import (  # noqa: E402
     SYSTEMS,
     headline,
     md_table,
-    plot_latency,
-    plot_memory,
-    plot_rpcs,
-    plot_slots,
-    plot_sps,
     render_readme,
     render_top_table,
 )
+from _report_plots import plot_latency, plot_memory, plot_rpcs, plot_slots, plot_sps  # noqa: E402
 
 from hermes_modal_tool import ModalSandboxConfig, SandboxConfig, ToolBackend  # noqa: E402
 
