@@ -87,8 +87,7 @@ async def _settle(start: dict[int, tuple[str, float]], limit: float = 30.0,
     while perf() - t0 < limit and calm < 2:
         await asyncio.sleep(0.25)
         now = cpu_by_pid()
-        used = sum(cpu - last.get(pid, (kind, 0.0))[1] for pid, (kind, cpu) in now.items() if kind != "gone")
-        calm = calm + 1 if used * 1e3 < idle_ms else 0
+        calm = calm + 1 if sum(_split(last, now, 1).values()) < idle_ms else 0
         last = now
     return perf() - t0, last
 

@@ -259,7 +259,7 @@ class ThreadStarter:
                 on_thread(tid)
             for path in tasks_files:  # by path: the start's namespace has no /sys
                 joined = True
-                cgroups._write(path, "%d" % tid)
+                mounts.write_control(path, b"%d" % tid)
             _enter_copy(self.lib, self.mntns_fd)
             mounts.move_mount_fd(tree, tree_at)
             if self.enter_scope is not None:
