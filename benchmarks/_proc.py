@@ -70,6 +70,16 @@ def become_subreaper() -> bool:
         return False
 
 
+def proc_state(pid: int) -> str:
+    """The state letter of ``pid`` (``R``, ``S``, ``Z``...); ``?`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return "?"
+    return stat[stat.rfind(")") + 2:].split()[0]
+
+
 def proc_kind(pid: int) -> str:
     """agent / bwrap (outer) / bwrap-init (pid 1 of a slot) / bash / other."""
     try:
@@ -85,6 +95,54 @@ def proc_kind(pid: int) -> str:
     if comm.startswith("python"):
         return "agent"
     return comm
+
+
+# -- memory and CPU of our descendants, by kind (engine.py, run_all.py, load.py) ---------------
+
+def pss_kib(pid: int) -> tuple[int, int]:
+    """(Pss, Rss) of one process in KiB, from smaps_rollup."""
+    pss = rss = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    pss = int(line.split()[1])
+                elif line.startswith("Rss:"):
+                    rss = int(line.split()[1])
+    except OSError:
+        pass
+    return pss, rss
+
+
+def process_memory() -> dict[str, dict[str, int]]:
+    """PSS/RSS (KiB) and counts of our descendant processes, by kind."""
+    by: dict[str, dict[str, int]] = {}
+    for pid in descendants(os.getpid()):
+        kind = proc_kind(pid)
+        if kind == "gone" or proc_state(pid) == "Z":
+            continue
+        pss, rss = pss_kib(pid)
+        d = by.setdefault(kind, {"count": 0, "pss_kib": 0, "rss_kib": 0})
+        d["count"] += 1
+        d["pss_kib"] += pss
+        d["rss_kib"] += rss
+    return by
+
+
+def cpu_by_kind() -> dict[str, float]:
+    """CPU seconds so far of this process ("host") and of live descendants by kind.
+
+    Descendants are read from ``/proc/PID/schedstat`` (nanoseconds; ``/proc/PID/stat``
+    counts 10 ms ticks, too coarse for a hundred shells using a few ms each).
+    """
+    out: dict[str, float] = {}
+    for pid in descendants(os.getpid()):
+        kind = proc_kind(pid)
+        cpu = schedstat_s(pid)
+        if cpu is not None:
+            out[kind] = out.get(kind, 0.0) + cpu
+    out["host"] = time.process_time()
+    return out
 
 
 # -- CPU accounting for one measured step (added for modal_rpc.py) ---------------------------

@@ -223,9 +223,12 @@ def script_lines(rep: dict[str, Any]) -> list[str]:
                        if dig(lat, f"{k}.median") is not None))
     for t in dig(e, "throughput.ours") or []:
         cpu = t.get("cpu_us_per_call") or {}
+        runs = t.get("rounds_runs") or []
+        spread = (f", median of {len(runs)} runs, {fmt_rate(min(runs))}-{fmt_rate(max(runs))}"
+                  if len(runs) > 1 else "")
         out.append(f"- engine.py, {t['slots']} slots in {t['sandboxes']} sandbox(es) x "
                    f"{t['calls'] // t['slots']} rounds: {fmt_rate(t['rounds_calls_per_s'])} "
-                   f"calls/s (as one batch: {fmt_rate(t['big_batch_calls_per_s'])}); CPU per "
+                   f"calls/s{spread} (as one batch: {fmt_rate(t['big_batch_calls_per_s'])}); CPU per "
                    f"call {sum(cpu.values()):.0f} µs ("
                    + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items() if round(v)) + ")")
     for k, name in (("subprocess_threads", "subprocess.run in {workers} threads"),

@@ -3,8 +3,9 @@
 Measured in one run, side by side:
 
 a. warm ``echo`` round trip on one slot (median / p90 / p99 ms);
-b. throughput: 100 slots x 100 trivial commands (rounds of ``execute_batch`` and one
-   big batch), against parallel ``subprocess.run`` and parallel SWE-ReX sessions;
+b. throughput: 100 slots x 100 trivial commands (rounds of ``execute_batch``, five runs
+   of them and their median, and one big batch), against parallel ``subprocess.run`` and
+   parallel SWE-ReX sessions;
 c. ``acquire`` + ``release(reset_workspace=True)`` (with and without one command);
 d. cold start: a pool with ``min_sandboxes=1`` to ready, an extra sandbox started by
    pool growth, and the first command in a fresh slot (the bwrap spawn);
@@ -24,6 +25,10 @@ Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`
 persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
 cpu cgroup of its own as a slot's shell is (b); bwrap starts and live shells per second (f,
 in ``_fresh.py``).
+
+The sections are in ``_engine_sections.py`` (a to e), ``_fresh.py`` (f) and ``streaming.py``
+(g); the backends they start and the check for what the run left behind in
+``_engine_backends.py``; what is printed in ``_engine_render.py``.
 
 Usage::
 
@@ -55,14 +60,23 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hermes_modal_tool import SandboxConfig, ToolBackend
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
 import streaming  # noqa: E402 - section g
+from _engine_backends import FACTS, ORPHANS, reap_orphans, wait_clean  # noqa: E402
 from _engine_render import render, summary_ms  # noqa: E402
+from _engine_sections import (  # noqa: E402 - sections a to e
+    acquire_release,
+    cold_start,
+    fresh_backend,
+    latency_ours,
+    memory,
+    start_floors,
+    throughput_ours,
+)
 from _floors import raw_bash_echo, raw_bash_throughput  # noqa: E402
 from _fresh import bwrap_true_rate, fresh_shells, live_shells_rate  # noqa: E402 - section f
-from _peers import (  # noqa: E402 - the peers we compare with (run_all.py uses them from here)
+from _machine import log  # noqa: E402
+from _peers import (  # noqa: E402 - the peers we compare with
     _swerex_imports,
     latency_subprocess,
     latency_swerex,
@@ -74,153 +88,16 @@ from _peers import (  # noqa: E402 - the peers we compare with (run_all.py uses 
 from _proc import (  # noqa: E402
     become_subreaper,
     busy_cpu_s,
-    descendants,
     meminfo,
     others_cpu,
-    proc_kind,
-    proc_stats,
-    quantile,
-    schedstat_s,
 )
 
 perf = time.perf_counter
 
 
-
-# -- small helpers -------------------------------------------------------------------
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return "?"
-    return stat[stat.rfind(")") + 2:].split()[0]
-
-
-def pss_kib(pid: int) -> tuple[int, int]:
-    """(Pss, Rss) of one process in KiB, from smaps_rollup."""
-    pss = rss = 0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as fh:
-            for line in fh:
-                if line.startswith("Pss:"):
-                    pss = int(line.split()[1])
-                elif line.startswith("Rss:"):
-                    rss = int(line.split()[1])
-    except OSError:
-        pass
-    return pss, rss
-
-
-def process_memory() -> dict[str, dict[str, int]]:
-    """PSS/RSS (KiB) and counts of our descendant processes, by kind."""
-    by: dict[str, dict[str, int]] = {}
-    for pid in descendants(os.getpid()):
-        kind = proc_kind(pid)
-        if kind == "gone" or _state(pid) == "Z":
-            continue
-        pss, rss = pss_kib(pid)
-        d = by.setdefault(kind, {"count": 0, "pss_kib": 0, "rss_kib": 0})
-        d["count"] += 1
-        d["pss_kib"] += pss
-        d["rss_kib"] += rss
-    return by
-
-
-ORPHANS: dict[str, int] = {"zombie": 0, "live": 0}
-
-
-def reap_orphans() -> dict[str, list[int]]:
-    """Our direct children that are not the agents we started: orphans re-parented to us.
-    Zombies among them are reaped; live ones are reported (a leak)."""
-    zombies, live = [], []
-    for pid, f in proc_stats():
-        if int(f[1]) != os.getpid():
-            continue
-        if f[0] == "Z":
-            zombies.append(pid)
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-        else:
-            live.append(pid)
-    return {"zombie": zombies, "live": live}
-
-
-def _ours(pid: int) -> bool:
-    """Whether a process belongs to this run's sandboxes (its cgroup names our profile)."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as fh:
-            return f"{PROFILE}-" in fh.read()  # cgroup "[<state dir>-]<profile>-<n>"
-    except OSError:
-        return False
-
-
-def cpu_by_kind() -> dict[str, float]:
-    """CPU seconds so far of this process ("host") and of live descendants by kind.
-
-    Descendants are read from ``/proc/PID/schedstat`` (nanoseconds; ``/proc/PID/stat``
-    counts 10 ms ticks, too coarse for a hundred shells using a few ms each).
-    """
-    out: dict[str, float] = {}
-    for pid in descendants(os.getpid()):
-        kind = proc_kind(pid)
-        cpu = schedstat_s(pid)
-        if cpu is not None:
-            out[kind] = out.get(kind, 0.0) + cpu
-    out["host"] = time.process_time()
-    return out
-
-
-def leftovers() -> dict[str, Any]:
-    """What this run left behind: processes (``pgrep -f bwrap``), state dirs, cgroups.
-
-    ``pgrep`` sees the whole machine; on a shared machine other users' sandboxes show
-    up there too, so ours are told apart by cgroup (and by being our descendants).
-    """
-    pids = subprocess.run(["pgrep", "-f", "bwrap"], capture_output=True, text=True).stdout.split()
-    live, zombie = [], []
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        state = stat[stat.rfind(")") + 2:].split()[0]
-        (zombie if state == "Z" else live).append(int(p))
-    mine = [p for p in descendants(os.getpid()) if proc_kind(p) != "gone"]
-    ours_live = sorted(set([p for p in live if _ours(p)] + [p for p in mine if p in live]))
-    cgroups = []
-    for root in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids", "/sys/fs/cgroup/cpu", "/sys/fs/cgroup/unified",
-                 "/sys/fs/cgroup"):
-        try:
-            cgroups += [os.path.join(root, "hermes-modal-tool", e)
-                        for e in os.listdir(os.path.join(root, "hermes-modal-tool")) if f"{PROFILE}-" in e]
-        except OSError:
-            pass
-    orphans = reap_orphans()
-    ORPHANS["zombie"] += len(orphans["zombie"])
-    ORPHANS["live"] = len(orphans["live"])
-    return {"pgrep_bwrap_live": live, "pgrep_bwrap_zombie": zombie, "our_bwrap_live": ours_live,
-            "orphans_reaped": ORPHANS["zombie"], "orphans_live": orphans["live"],
-            "our_descendants": mine, "our_state_dirs": [d for d in OWN_PATHS if os.path.exists(d)],
-            "our_cgroups": sorted(set(cgroups))}
-
-
-def wait_clean(timeout: float = 5.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = leftovers()
-        clean = not (left["our_bwrap_live"] or left["our_descendants"] or left["our_state_dirs"]
-                     or left["our_cgroups"] or left["orphans_live"])
-        left["clean"] = clean
-        if clean or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
 def machine() -> dict[str, Any]:
+    """What the numbers were measured on, as ``_engine_render.render`` prints it (run_all.py
+    records its own, ``_machine.machine``, with other keys)."""
     mem = meminfo()
     try:
         from hermes_modal_tool.drivers.local import find_bwrap
@@ -251,324 +128,7 @@ def machine() -> dict[str, Any]:
             "bwrap": bwrap, "bwrap_version": bver, "swe_rex": swerex, "euid": os.geteuid()}
 
 
-#: A profile name unique to this run. Sandbox ids, and so the agents' cgroup names, derive
-#: from it: up to commit 893c51b two backends on one host both named their cgroups
-#: "default-0", and one backend's reset/stop killed the other's slots.
-PROFILE = f"bench{os.getpid()}"
-#: State directories of every driver this run created (checked at the end).
-OWN_PATHS: list[str] = []
-#: Facts the started backends report (limit mode: cgroup-v1/v2 or rlimit).
-FACTS: dict[str, Any] = {}
-
-
-def cfg(**kw: Any) -> SandboxConfig:
-    base = {"name": PROFILE, "slots_per_sandbox": 100, "min_sandboxes": 1, "max_sandboxes": 1,
-            "execution_timeout_s": 60}
-    base.update(kw)
-    return SandboxConfig(**base)
-
-
-def track(b: ToolBackend) -> None:
-    """Remember the state directories of ``b``'s drivers for the leak check."""
-    for d in getattr(b, "_drivers", {}).values():
-        for attr in ("state_root", "ctl_root"):
-            path = getattr(d, attr, None)
-            if path is not None and str(path) not in OWN_PATHS:
-                OWN_PATHS.append(str(path))
-
-
-async def started(config: SandboxConfig) -> ToolBackend:
-    """A started backend (stopped again if start fails), tracked for the leak check."""
-    b = ToolBackend(config)
-    try:
-        await b.start()
-    except BaseException:
-        await b.stop()
-        raise
-    finally:
-        track(b)
-    pool = b.get_status()["pools"].get(config.name, {})
-    FACTS.setdefault("limits", pool.get("limits"))
-    FACTS.setdefault("isolation", pool.get("isolation"))
-    return b
-
-
-def log(msg: str) -> None:
-    print(f"  .. {msg}", file=sys.stderr, flush=True)
-
-
-# -- a. latency --------------------------------------------------------------------------
-async def latency_ours(n: int, warm: int) -> dict[str, Any]:
-    b = await started(cfg())
-    try:
-        slot = await b.acquire("latency")
-        req = [(slot, "bash", {"command": "echo hi"})]
-        for _ in range(warm):
-            [r] = await b.execute_batch(req)
-        xs, agent = [], []
-        for _ in range(n):
-            t0 = perf()
-            [r] = await b.execute_batch(req)
-            xs.append(perf() - t0)
-            agent.append(r.metadata.get("duration_s") or 0.0)
-        assert r.success and r.output == "hi\n", r
-        limits = b.get_status()["pools"][PROFILE]["limits"]
-        await b.release(slot, reset_workspace=True)
-    finally:
-        await b.stop()
-    out = summary_ms(xs)
-    out["agent_side_median_ms"] = quantile(agent, 0.5) * 1e3
-    out["limits"] = limits
-    return out
-
-
-# -- b. throughput ------------------------------------------------------------------------
-async def throughput_ours(slots: int, cmds: int, sandboxes: int) -> dict[str, Any]:
-    b = await started(cfg(slots_per_sandbox=slots // sandboxes, min_sandboxes=sandboxes,
-                        max_sandboxes=sandboxes))
-    try:
-        ss = [await b.acquire(f"tp-{i}") for i in range(slots)]
-        for _ in range(3):  # warm-up: spawns every slot's shell
-            rs = await b.execute_batch([(s, "bash", {"command": "true"}) for s in ss])
-            assert all(r.success for r in rs), [r for r in rs if not r.success][:1]
-        bad = 0
-        c0 = cpu_by_kind()
-        t0 = perf()
-        for i in range(cmds):
-            rs = await b.execute_batch([(s, "bash", {"command": f"echo {i}"}) for s in ss])
-            bad += sum(r.output != f"{i}\n" for r in rs)
-        rounds = perf() - t0
-        c1 = cpu_by_kind()
-        reqs = [(s, "bash", {"command": f"echo {i}"}) for i in range(cmds) for s in ss]
-        t0 = perf()
-        rs = await b.execute_batch(reqs)
-        big = perf() - t0
-        bad += sum(r.output != f"{i}\n" for i in range(cmds) for r in rs[i * slots:(i + 1) * slots])
-        for s in ss:
-            await b.release(s)
-    finally:
-        await b.stop()
-    total = slots * cmds
-    return {"slots": slots, "sandboxes": sandboxes, "calls": total, "wrong_outputs": bad,
-            "rounds_s": rounds, "rounds_calls_per_s": total / rounds,
-            "round_ms": rounds / cmds * 1e3,
-            "big_batch_s": big, "big_batch_calls_per_s": total / big,
-            "cpu_us_per_call": {k: (c1[k] - c0.get(k, 0.0)) / total * 1e6 for k in c1}}
-
-
-# -- c. acquire / release -------------------------------------------------------------------
-# 200 MB in 5,000 files of 40 KiB, in the slot's /usr (its writable layer); prints MB.
-BIG_STATE = ("mkdir -p /usr/share/hmt-bulk && cd /usr/share/hmt-bulk && for d in $(seq 50); do "
-             "mkdir $d; for f in $(seq 100); do head -c 40960 /dev/zero > $d/$f; done; done; "
-             "du -sm . | cut -f1")
-
-
-#: Seconds between the paced acquire + command + release cycles of section c.
-PACE_S = 0.05
-
-
-async def acquire_release(n: int, warm: int) -> dict[str, Any]:
-    b = await started(cfg())
-    try:
-        async def bare() -> float:
-            t0 = perf()
-            s = await b.acquire("ar")
-            await b.release(s, reset_workspace=True)
-            return perf() - t0
-
-        async def with_cmd() -> tuple[float, float, float, float]:
-            t0 = perf()
-            s = await b.acquire("ar1")
-            t1 = perf()
-            [r] = await b.execute_batch([(s, "bash", {"command": "true"})])
-            t2 = perf()
-            await b.release(s, reset_workspace=True)
-            t3 = perf()
-            assert r.success, r
-            return t3 - t0, t1 - t0, t2 - t1, t3 - t2
-
-        async def after_big(rounds: int) -> list[float]:
-            """release(reset) + acquire of a slot whose last tenant wrote 200 MB in 5,000
-            files into its root (its writable layer is dropped, not deleted in line)."""
-            out = []
-            for i in range(rounds):
-                s = await b.acquire(f"big{i}")
-                [r] = await b.execute_batch([(s, "bash", {"command": BIG_STATE, "timeout": 300})])
-                assert r.success and int(r.output) >= 190, r
-                t0 = perf()
-                await b.release(s, reset_workspace=True)
-                s = await b.acquire(f"after{i}")
-                out.append(perf() - t0)
-                await b.release(s, reset_workspace=True)
-            return out
-
-        for _ in range(warm):
-            await bare()
-            await with_cmd()
-        xs = [await bare() for _ in range(n)]
-        c0, m0 = cpu_by_kind(), busy_cpu_s()
-        ys = [await with_cmd() for _ in range(n)]
-        c1, m1 = cpu_by_kind(), busy_cpu_s()
-        paced = []  # one every PACE_S: the machine keeps up with the background work
-        for _ in range(n // 2):
-            paced.append(await with_cmd())
-            await asyncio.sleep(PACE_S)
-        zs = await after_big(3 if n < 100 else 8)
-        filesystem = b.get_status()["pools"][PROFILE]["filesystem"]
-        sandbox = next(iter(b._pools[PROFILE]._sandboxes.values()))
-        status = await sandbox.request({"op": "status"}, 10.0)
-        shell_start = (status.get("result") or {}).get("shell_start")
-    finally:
-        await b.stop()
-    return {"filesystem": filesystem, "shell_start": shell_start, "after_200mb": summary_ms(zs),
-            "acquire_release": summary_ms(xs),
-            "acquire_cmd_release": summary_ms([y[0] for y in ys]),
-            "acquire_cmd_release_paced": summary_ms([y[0] for y in paced]), "pace_s": PACE_S,
-            "paced_parts_ms": [summary_ms([y[i] for y in paced])["median"] for i in (1, 2, 3)],
-            "cpu_ms_per_cycle": {k: (c1[k] - c0.get(k, 0.0)) / n * 1e3 for k in c1},
-            "machine_busy_ms_per_cycle": (m1 - m0) / n * 1e3,
-            "part_acquire": summary_ms([y[1] for y in ys]),
-            "part_first_cmd": summary_ms([y[2] for y in ys]),
-            "part_release_reset": summary_ms([y[3] for y in ys])}
-
-
-# -- d. cold start ---------------------------------------------------------------------------
-async def cold_start(repeats: int, fresh_slots: int) -> dict[str, Any]:
-    starts, firsts, seconds = [], [], []
-    for _ in range(repeats):
-        b = ToolBackend(cfg())
-        try:
-            t0 = perf()
-            await b.start()
-            starts.append(perf() - t0)
-            s = await b.acquire("cold")
-            t0 = perf()
-            [r] = await b.execute_batch([(s, "bash", {"command": "true"})])
-            firsts.append(perf() - t0)
-            t0 = perf()
-            [r] = await b.execute_batch([(s, "bash", {"command": "true"})])
-            seconds.append(perf() - t0)
-            assert r.success, r
-        finally:
-            track(b)
-            await b.stop()
-    # Pool growth: a running backend starts a second sandbox for the 101st acquire (on a
-    # new backend each time, so every sample is a first growth); the first command in
-    # fresh slots is measured on the first of them.
-    growth, fresh = [], []
-    for rep in range(max(1, repeats // 2)):
-        b = await started(cfg(max_sandboxes=2, scale_down_idle=False))
-        try:
-            held = [await b.acquire(f"g{i}") for i in range(100)]
-            t0 = perf()
-            extra = await b.acquire("grow")
-            growth.append(perf() - t0)
-            assert extra.sandbox_id != held[0].sandbox_id
-            for s in held[:fresh_slots] if rep == 0 else []:
-                t0 = perf()
-                [r] = await b.execute_batch([(s, "bash", {"command": "true"})])
-                fresh.append(perf() - t0)
-                assert r.success, r
-        finally:
-            await b.stop()
-    return {"backend_start": summary_ms(starts), "first_cmd_after_start": summary_ms(firsts),
-            "second_cmd": summary_ms(seconds), "growth_sandbox_start": summary_ms(growth),
-            "first_cmd_fresh_slot": summary_ms(fresh)}
-
-
-def start_floors(n: int) -> dict[str, Any]:
-    """What a sandbox start is made of, measured bare: a Python interpreter start (the
-    agent) and a bubblewrap user-namespace sandbox running ``true`` (one slot shell)."""
-    from hermes_modal_tool.drivers.local import find_bwrap
-    bwrap = find_bwrap()
-    runs = {
-        "python -I -S -c pass": [sys.executable, "-I", "-S", "-c", "pass"],
-        "python -I -S -c 'import asyncio, json, subprocess'":
-            [sys.executable, "-I", "-S", "-c", "import asyncio, json, subprocess"],
-        # The agent blocks ssl (it speaks no TLS; loading OpenSSL costs ~30 ms).
-        "the same with ssl blocked, as the agent does":
-            [sys.executable, "-I", "-S", "-c",
-             "import sys; sys.modules['ssl'] = None; import asyncio, json, subprocess"],
-        "bwrap --unshare-user --unshare-pid --ro-bind / / true":
-            [bwrap, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc",
-             "--dev", "/dev", "true"],
-    }
-    out = {}
-    for label, argv in runs.items():
-        xs = []
-        for _ in range(n):
-            t0 = perf()
-            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-            xs.append(perf() - t0)
-        out[label] = summary_ms(xs)
-    return out
-
-
-# -- f. shells per second (benchmarks/_fresh.py) ---------------------------------------------
-async def _fresh_backend(per_sandbox: int, sandboxes: int) -> ToolBackend:
-    return await started(cfg(slots_per_sandbox=per_sandbox, min_sandboxes=sandboxes,
-                             max_sandboxes=sandboxes, scale_down_idle=False))
-
-
-# -- e. memory ------------------------------------------------------------------------------
-def _settle() -> dict[str, int]:
-    time.sleep(1.0)
-    return meminfo()
-
-
-async def memory(slots: int, per_sandbox: int) -> dict[str, Any]:
-    per_sandbox = min(per_sandbox, slots)
-    sandboxes = -(-slots // per_sandbox)
-    before = await asyncio.to_thread(_settle)
-    b = ToolBackend(cfg(slots_per_sandbox=per_sandbox, min_sandboxes=sandboxes, max_sandboxes=sandboxes,
-                        execution_timeout_s=300, scale_down_idle=False))
-    try:
-        t0 = perf()
-        await b.start()
-        start_s = perf() - t0
-        ss = [await b.acquire(f"m{i}") for i in range(slots)]
-        mem_agents_only = await asyncio.to_thread(process_memory)
-        t0 = perf()
-        rs = await b.execute_batch([(s, "bash", {"command": "true"}) for s in ss])
-        spawn_s = perf() - t0
-        failed = [r for r in rs if not r.success]
-        after = await asyncio.to_thread(_settle)
-        procs = await asyncio.to_thread(process_memory)
-        t0 = perf()
-        rs = await b.execute_batch([(s, "bash", {"command": "echo $HOSTNAME"}) for s in ss])
-        echo_s = perf() - t0
-        live = sum(r.success and r.output == f"slot-{s.index}\n" for s, r in zip(ss, rs, strict=True))
-        wrong = [(s.slot_id, r.output, r.error) for s, r in zip(ss, rs, strict=True)
-                 if not (r.success and r.output == f"slot-{s.index}\n")][:3]
-        status = b.get_status()
-        for s in ss:
-            await b.release(s)
-    finally:
-        track(b)
-        await b.stop()
-    stopped = await asyncio.to_thread(_settle)
-    pss = sum(v["pss_kib"] for v in procs.values())
-    delta = before["MemAvailable"] - after["MemAvailable"]
-    return {
-        "slots": slots, "sandboxes": sandboxes, "slots_per_sandbox": per_sandbox,
-        "start_s": start_s, "spawn_all_s": spawn_s, "spawn_failures": len(failed),
-        "spawn_failure_sample": [f.error for f in failed[:3]],
-        "echo_all_s": echo_s, "live_slots": live, "wrong_sample": wrong,
-        "memavailable_delta_mib": delta / 1024, "memavailable_mib_per_slot": delta / 1024 / slots,
-        "pss_total_mib": pss / 1024, "pss_mib_per_slot": pss / 1024 / slots,
-        "slab_delta_mib": (after["Slab"] - before["Slab"]) / 1024,
-        "pagetables_delta_mib": (after.get("PageTables", 0) - before.get("PageTables", 0)) / 1024,
-        "shmem_delta_mib": (after["Shmem"] - before["Shmem"]) / 1024,
-        "memavailable_not_returned_mib": (before["MemAvailable"] - stopped["MemAvailable"]) / 1024,
-        "after_stop_slab_pagetables_delta_mib": (stopped["Slab"] + stopped.get("PageTables", 0)
-                                                 - before["Slab"] - before.get("PageTables", 0)) / 1024,
-        "by_kind": procs, "agents_before_shells": mem_agents_only,
-        "total_slots_reported": status["total_slots"],
-    }
-
-
-# -- report -----------------------------------------------------------------------------------
-# -- main ---------------------------------------------------------------------------------------
+# -- timing each step, and the run ------------------------------------------------------------
 #: Per measured step: wall seconds, CPU seconds used by this process tree, CPU seconds used
 #: by everything else on the machine (other users of a shared machine skew the numbers).
 CPU_LOG: list[dict[str, Any]] = []
@@ -667,10 +227,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["latency"] = lat
     if "b" in sections:
         tp: dict[str, Any] = {"ours": []}
-        n_slots, n_cmds = (100, 20) if q else (100, 100)
+        n_slots, n_cmds, n_runs = (100, 20, 2) if q else (100, 100, 5)
         for sbx in (1, 2):
-            tp["ours"].append(timed(f"b. ours {sbx} sandbox(es)",
-                                    lambda sbx=sbx: asyncio.run(throughput_ours(n_slots, n_cmds, sbx))))
+            tp["ours"].append(timed(f"b. ours {sbx} sandbox(es)", lambda sbx=sbx: asyncio.run(
+                throughput_ours(n_slots, n_cmds, sbx, n_runs))))
         tp["raw_bash"] = timed("b. floor: raw bash", lambda: raw_bash_throughput(n_slots, n_cmds))
         tp["raw_bash_cgroups"] = timed("b. floor: raw bash in cgroups",
                                        lambda: raw_bash_throughput(n_slots, n_cmds, cgroups=True))
@@ -697,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "f" in sections:
         from hermes_modal_tool.drivers.local import find_bwrap
         n_fresh = 200 if q else 1000
-        res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(_fresh_backend, n_fresh, 100)))
+        res["fresh"] = timed(f"f. fresh shells {n_fresh}", lambda: asyncio.run(fresh_shells(fresh_backend, n_fresh, 100)))
         res["fresh"]["floor"] = timed("f. floor: bwrap true", lambda: bwrap_true_rate(
             find_bwrap(), 100 if q else 400, os.cpu_count() or 2))
         res["fresh"]["live_floor"] = timed("f. floor: live shells", lambda: live_shells_rate(

@@ -37,6 +37,9 @@ every few seconds, the peak is shown), and after ``stop()`` everything this run 
 behind: processes, cgroups, mounts, state directories. Exit status 1 if any result was
 lost, misrouted or wrong, or anything was left behind.
 
+The steps and the check of their results are in ``_load_work.py``; what the run left
+behind and its memory are watched by ``_load_footprint.py``.
+
 Usage::
 
     .venv/bin/python benchmarks/load.py                       # 1000 x 50
@@ -48,278 +51,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import math
 import os
-import random
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from hermes_modal_tool import ExecutionResult, SandboxConfig, Slot, ToolBackend
+from hermes_modal_tool import SandboxConfig, Slot, ToolBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
-from _proc import become_subreaper, descendants, meminfo, proc_stats, quantile  # noqa: E402
+from _load_footprint import ORPHANS_REAPED, Footprint, MemorySampler  # noqa: E402
+from _load_work import Tally, step_calls  # noqa: E402
+from _proc import become_subreaper, meminfo, quantile  # noqa: E402
 
 perf = time.perf_counter
-CGROUP_GLOBS = ("/sys/fs/cgroup/*/hermes-modal-tool/*", "/sys/fs/cgroup/hermes-modal-tool/*")
-
-
-# -- the work --------------------------------------------------------------------------------
-
-@dataclass
-class Call:
-    """One tool call and exactly what it must return."""
-
-    tool: str
-    args: dict[str, Any]
-    output: str
-    success: bool = True
-    returncode: int | None = 0
-    timed_out: bool = False
-    kind: str = ""
-
-
-def step_calls(t: int, s: int, idx: int, seed: int, timeout_every: int) -> list[Call]:
-    """The calls of step ``s`` of trajectory ``t`` (whose slot has index ``idx``)."""
-    tag = f"T{t} S{s}"
-    host = f"slot-{idx}"
-    if s == 0:
-        return [Call("bash", {"command": f"echo T{t} > .owner; export TRAJ=T{t}; echo {tag} $HOSTNAME"},
-                     f"{tag} {host}\n", kind="init")]
-    rng = random.Random(f"{seed}:{t}:{s}")
-    r = rng.random()
-    if timeout_every and rng.randrange(timeout_every) == 0:
-        return [Call("bash", {"command": f"echo {tag} begin; sleep 5; echo {tag} never", "timeout": 1},
-                     f"{tag} begin\n", success=False, returncode=124, timed_out=True, kind="timeout")]
-    if r < 0.45:
-        cmd = f'read -r o < .owner; echo "{tag} $o $TRAJ $HOSTNAME $(({t} * {s}))"'
-        return [Call("bash", {"command": cmd}, f"{tag} T{t} T{t} {host} {t * s}\n", kind="builtin")]
-    if r < 0.70:
-        cmd = (f"python3 -c 'import os, socket; print(\"{tag}\", open(\".owner\").read().strip(), "
-               "os.environ[\"TRAJ\"], os.getcwd(), socket.gethostname())'")
-        return [Call("bash", {"command": cmd}, f"{tag} T{t} T{t} /data/slot_{idx} {host}\n",
-                     kind="process")]
-    if r < 0.96:
-        payload = rng.randbytes(rng.randrange(8, 400)).hex()
-        content = f"{tag} {payload}\n"
-        name = f"s{s}.txt"
-        return [Call("write_file", {"path": name, "content": content},
-                     f"wrote {len(content)} bytes to /data/slot_{idx}/{name}", kind="write"),
-                Call("bash", {"command": f"cat {name}; echo $TRAJ $HOSTNAME"},
-                     f"{content}T{t} {host}\n", kind="cat")]
-    return [Call("bash", {"command": f"echo {tag} fail $TRAJ; (exit 3)"}, f"{tag} fail T{t}\n",
-                 success=False, returncode=3, kind="fail")]
-
-
-@dataclass
-class Tally:
-    ok: int = 0
-    lost: int = 0
-    misrouted: int = 0
-    wrong: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
-    samples: list[str] = field(default_factory=list)
-    latencies: list[float] = field(default_factory=list)
-    agent_s: list[float] = field(default_factory=list)
-    reasons: dict[str, int] = field(default_factory=dict)
-
-    def check(self, t: int, s: int, call: Call, r: Any) -> None:
-        self.by_kind[call.kind] = self.by_kind.get(call.kind, 0) + 1
-        problem = None
-        if not isinstance(r, ExecutionResult):
-            self.lost += 1
-            problem = f"lost: {r!r:.200}"
-        else:
-            if r.metadata.get("duration_s") is not None:
-                self.agent_s.append(r.metadata["duration_s"])
-            if _names_other(r.output, t, s, call.output):
-                self.misrouted += 1
-                problem = "misrouted"
-            elif call.success and not r.success:
-                self.lost += 1
-                problem = "lost (failed)"
-            elif not _matches(call, r):
-                self.wrong += 1
-                problem = "wrong"
-        if problem is not None:
-            why = (r.error or f"output differs ({call.kind})") if isinstance(r, ExecutionResult) else "exception"
-            why = why.split(";")[0][:70]
-            if "timed out after" in why:
-                why = f"{call.kind}: " + why
-            key = f"{problem.split(' ')[0]}: {why}"
-            self.reasons[key] = self.reasons.get(key, 0) + 1
-        if problem is None:
-            self.ok += 1
-        elif len(self.samples) < 10:
-            got = (r.success, r.output[:200], r.error, r.metadata) if isinstance(r, ExecutionResult) else r
-            self.samples.append(f"{problem}: T{t} S{s} {call.kind} want {call.output[:120]!r} got {got!r}")
-
-
-def _matches(call: Call, r: ExecutionResult) -> bool:
-    if r.success != call.success:
-        return False
-    if call.tool == "write_file":
-        return r.output == call.output
-    if call.timed_out:
-        # what it printed before the timeout, then at most bash's note on the killed
-        # foreground job ("Terminated"), never what it would have printed after
-        if not r.output.startswith(call.output) or "never" in r.output:
-            return False
-    elif r.output != call.output:
-        return False
-    if r.metadata.get("returncode") != call.returncode:
-        return False
-    return bool(r.metadata.get("timed_out")) == call.timed_out
-
-
-def _names_other(output: str, t: int, s: int, expected: str) -> bool:
-    """Whether an output names another trajectory, step or slot than the expected one."""
-    words = output.replace("\n", " ").split(" ")
-    hosts = {w for w in expected.replace("\n", " ").split(" ") if w.startswith(("slot-", "/data/slot_"))}
-    for i, w in enumerate(words):
-        if w.startswith(("slot-", "/data/slot_")) and w not in hosts:
-            return True
-        if len(w) > 1 and w[0] == "T" and w[1:].isdigit() and w != f"T{t}":
-            return True
-        if (len(w) > 1 and w[0] == "S" and w[1:].isdigit() and i and words[i - 1].startswith("T")
-                and w != f"S{s}"):
-            return True
-    return False
-
-
-# -- /proc, memory and leftovers ------------------------------------------------------------
-
-def pss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as fh:
-            for line in fh:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-class Footprint:
-    """What one backend created: its agents and their descendants, processes in its
-    cgroups (orphans too), its cgroups, state directories and mounts."""
-
-    def __init__(self, backend: ToolBackend) -> None:
-        self.roots: list[str] = []
-        for d in backend._drivers.values():  # the local driver's state and control roots
-            self.roots += [str(p) for p in (getattr(d, "state_root", None), getattr(d, "ctl_root", None)) if p]
-        self.cg_prefix = os.path.basename(self.roots[0]) + "-" if self.roots else "\0"
-
-    def agents(self) -> list[int]:
-        out = []
-        me = os.getpid()
-        for pid in [p for p, f in proc_stats() if f[0] != "Z" and int(f[1]) == me]:
-            try:
-                err = os.readlink(f"/proc/{pid}/fd/2")
-            except OSError:
-                continue
-            if self.roots and err.startswith(self.roots[0] + "/"):
-                out.append(pid)
-        return out
-
-    def processes(self) -> list[int]:
-        mine = set()
-        for a in self.agents():
-            mine.add(a)
-            mine.update(descendants(a, live_only=True))
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/cgroup") as fh:
-                        if "/hermes-modal-tool/" + self.cg_prefix in fh.read():
-                            mine.add(int(entry))
-                except OSError:
-                    pass
-        return sorted(mine)
-
-    def cgroups(self) -> list[str]:
-        return sorted(p for g in CGROUP_GLOBS for p in glob.glob(g)
-                      if os.path.basename(p).startswith(self.cg_prefix))
-
-    def mounts(self) -> list[str]:
-        with open("/proc/self/mounts") as fh:
-            return [ln for ln in fh.read().splitlines() if any(r in ln for r in self.roots)]
-
-    def count(self) -> dict[str, list]:
-        return {"processes": self.processes(), "cgroups": self.cgroups(), "mounts": self.mounts(),
-                "dirs": [d for d in self.roots if os.path.exists(d)]}
-
-    def settled(self, grace: float = 5.0, reap: bool = False) -> dict[str, list]:
-        deadline = time.monotonic() + grace
-        while True:
-            if reap:
-                reap_zombie_children()
-            c = self.count()
-            if not any(c.values()) or time.monotonic() > deadline:
-                return c
-            time.sleep(0.1)
-
-
-ORPHANS_REAPED = [0]
-
-
-def reap_zombie_children() -> int:
-    """Reap zombies among our children that are not agents: slot processes orphaned by a
-    kill and re-parented to us (a subreaper). Agents are left to the engine to wait for."""
-    n = 0
-    me = os.getpid()
-    for pid, fields in proc_stats():
-        if fields[0] != "Z" or int(fields[1]) != me:
-            continue
-        try:
-            with open(f"/proc/{pid}/comm") as fh:
-                if fh.read().startswith("python"):
-                    continue
-            os.waitpid(pid, os.WNOHANG)
-            n += 1
-        except (OSError, ChildProcessError):
-            pass
-    ORPHANS_REAPED[0] += n
-    return n
-
-
-class MemorySampler(threading.Thread):
-    """MemAvailable every 0.2 s (low-water mark); PSS of our processes every ``pss_every`` s."""
-
-    def __init__(self, pss_every: float = 5.0, reap: bool = False) -> None:
-        super().__init__(daemon=True, name="load-memory-sampler")
-        self.stop_event = threading.Event()
-        self.pss_every = pss_every
-        self.reap = reap
-        self.low_kib = meminfo()["MemAvailable"]
-        self.pss_peak_kib = 0
-        self.pss_peak_procs = 0
-
-    def pss_now(self) -> tuple[int, int]:
-        pids = [os.getpid()] + descendants(os.getpid(), live_only=True)
-        return sum(pss_kib(p) for p in pids), len(pids)
-
-    def run(self) -> None:
-        next_pss = time.monotonic()
-        while not self.stop_event.wait(0.2):
-            self.low_kib = min(self.low_kib, meminfo()["MemAvailable"])
-            if time.monotonic() >= next_pss:
-                if self.reap:
-                    reap_zombie_children()
-                pss, n = self.pss_now()
-                if pss > self.pss_peak_kib:
-                    self.pss_peak_kib, self.pss_peak_procs = pss, n
-                next_pss = time.monotonic() + self.pss_every
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(10)
 
 
 # -- the run ------------------------------------------------------------------------------------
