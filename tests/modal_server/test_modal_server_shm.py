@@ -11,7 +11,7 @@ import pytest
 from hermes_modal_tool.testing.modal_server import LocalModalServer
 from hermes_modal_tool.testing.modal_server._shm import SOURCE, default_mib
 
-from .test_modal_server import app, run, server  # noqa: F401 - fixtures
+from .conftest import run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +23,7 @@ def shm_mounts() -> list[str]:
 
 
 async def test_each_sandbox_has_a_memory_backed_dev_shm_of_its_memory(
-        server: LocalModalServer, app: Any) -> None:  # noqa: F811
+        server: LocalModalServer, app: Any) -> None:
     before = shm_mounts()
     sized = await modal.Sandbox.create.aio(app=app, memory=96)
     plain = await modal.Sandbox.create.aio(app=app)
