@@ -6,7 +6,15 @@ run the tests (they fail), read the code, write the fix, run the tests again
 (they pass). Eight tasks times eight scenarios; each scenario adds steps that
 exercise one part of the engine (``cd``/``export`` persistence, a timeout, a
 missing file, a non-zero exit, artifacts, stdin/env, append and background jobs).
-Every expectation is written so that a correct engine meets all of them.
+Every expectation is written so that a correct engine meets all of them and a broken
+step cannot: an expectation on a command's output gives its exit code too, and every
+test run says how many tests must run (``tests_ran``), so a run from the wrong
+directory (0 tests: ``OK`` on Python 3.11, exit 5 on 3.12+) is a mismatch. The file
+passes ``hermes-modal-tool batch --strict``, which refuses anything looser.
+
+Paths: a slot starts in its workspace (``/data/slot_N``, the ``workspace_dir`` of
+:class:`~hermes_modal_tool.Slot`); the project is ``proj/`` there. ``$HOME`` is the
+slot's ``/root`` (a slot is a whole machine), so no step uses ``~``.
 
 Usage:
     python examples/make_coding_rollouts.py [OUT.jsonl]
@@ -296,18 +304,21 @@ def src(text: str) -> str:
 def rollout(task: str, scenario: str) -> dict:
     """One trajectory: the task's bug-fixing loop plus the scenario's extra steps."""
     module, buggy, fixed, tests = TASKS[task]
+    n_tests = tests.count("def test_")
     calls: list[dict] = [
         {"tool": "write_file", "args": {"path": f"proj/{module}.py", "content": src(buggy)}},
         {"tool": "write_file", "args": {"path": f"proj/test_{module}.py", "content": src(tests)}},
         # The tests fail on the buggy code; `cd proj` persists for the next calls.
-        bash("cd proj && python3 -m unittest -q", returncode=1, output_contains="FAILED"),
+        bash("cd proj && python3 -m unittest -q", returncode=1, output_contains="FAILED", tests_ran=n_tests),
         {"tool": "read_file", "args": {"path": f"proj/{module}.py"},
          "expect": {"success": True, "output_contains": "def "}},
     ]
     if scenario == "cd_export":
-        calls += [bash(f"export TASK_NAME={task} && cd /tmp", success=True),
-                  bash('echo "$PWD $TASK_NAME"', output_contains=f"/tmp {task}"),
-                  bash("cd ~/proj && pwd", output_contains="/proj")]
+        # The shell is in the workspace's proj/; remember it in an exported variable,
+        # leave, and come back through the variable (both must persist between calls).
+        calls += [bash(f"export TASK_NAME={task} PROJ=$PWD && cd /tmp", returncode=0),
+                  bash('echo "$PWD $TASK_NAME"', returncode=0, output_matches=f"^/tmp {task}$"),
+                  bash('cd "$PROJ" && pwd', returncode=0, output_matches=r"^/data/slot_\d+/proj$")]
     elif scenario == "missing_file":
         calls += [{"tool": "read_file", "args": {"path": "proj/NOTES.md"}, "expect": {"success": False}},
                   {"tool": "list_files", "args": {"path": "proj"},
@@ -320,13 +331,14 @@ def rollout(task: str, scenario: str) -> dict:
     calls += [
         {"tool": "write_file", "args": {"path": f"proj/{module}.py", "content": src(fixed)}},
         # No `cd` here: the shell is still in proj from the first test run.
-        bash("python3 -m unittest -q", returncode=0, output_contains="OK"),
+        bash("python3 -m unittest -q", returncode=0, output_matches=r"^OK$", tests_ran=n_tests),
     ]
     if scenario == "timeout":
         calls += [{"tool": "bash", "args": {"command": "sleep 30", "timeout": 1},
                    "expect": {"timed_out": True, "returncode": 124, "success": False}},
                   # The slot survives the timeout: same directory, shell still usable.
-                  bash("python3 -m unittest -q && pwd", returncode=0, output_contains="/proj")]
+                  bash("python3 -m unittest -q && pwd", returncode=0, output_matches=r"^/data/slot_\d+/proj$",
+                       tests_ran=n_tests)]
     elif scenario == "artifacts":
         calls += [{"tool": "list_artifacts", "args": {"path": "proj", "recursive": True},
                    "expect": {"success": True, "output_contains": f"{module}.py"}},
@@ -338,18 +350,19 @@ def rollout(task: str, scenario: str) -> dict:
                                             "stdin": f"{task} fixed\n"},
                    "expect": {"returncode": 0, "output_contains": f"{task.upper()} FIXED"}},
                   {"tool": "bash", "args": {"command": 'echo "reviewer=$REVIEWER"', "env": {"REVIEWER": task}},
-                   "expect": {"output_contains": f"reviewer={task}"}}]
+                   "expect": {"returncode": 0, "output_matches": f"^reviewer={task}$"}}]
     elif scenario == "append_background":
         extra = ("\n\nclass RegressionTest(unittest.TestCase):\n"
                  "    def test_regression(self):\n"
                  f"        self.assertTrue({REGRESSIONS[task]})\n")
-        n_tests = tests.count("def test_") + 1
         calls += [{"tool": "write_file", "args": {"path": f"proj/test_{module}.py", "content": extra, "append": True},
                    "expect": {"success": True, "output_contains": "appended"}},
-                  bash("python3 -m unittest -v 2>&1 | tail -n 3", output_contains=f"Ran {n_tests} tests"),
-                  bash("python3 -m unittest -q", returncode=0, output_contains="OK"),
+                  # The pipe's status is tail's: the test run's own exit code is checked too.
+                  bash('python3 -m unittest -v 2>&1 | tail -n 3; test "${PIPESTATUS[0]}" = 0', returncode=0,
+                       tests_ran=n_tests + 1),
+                  bash("python3 -m unittest -q", returncode=0, output_matches=r"^OK$", tests_ran=n_tests + 1),
                   {"tool": "bash", "args": {"command": "sleep 60", "background": True},
-                   "expect": {"success": True, "output_contains": "background job"}}]
+                   "expect": {"returncode": 0, "success": True, "output_contains": "background job"}}]
     return {"id": f"{task}-{scenario}", "meta": {"task": task, "scenario": scenario}, "calls": calls}
 
 

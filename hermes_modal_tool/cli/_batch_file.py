@@ -8,23 +8,9 @@ from typing import Any
 
 from ..protocol import TOOL_ARGS, TOOLS, check_args
 from ._common import InputError
+from ._expect import check_value
 
 # Each tool's arguments (protocol.TOOL_ARGS) are checked before any sandbox starts.
-EXPECT_KEYS = {"returncode": "code", "success": "bool", "timed_out": "bool", "output_contains": "str"}
-_TYPE_WORDS = {"str": "a string", "number": "a positive number", "bool": "true or false",
-               "int": "a non-negative integer", "code": "an integer", "env": "an object of string values",
-               "encoding": "'text' or 'base64'"}
-
-
-def _type_ok(kind: str, value: Any) -> bool:
-    """Type check for ``expect`` values (tool arguments use protocol.check_args)."""
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "code":
-        return isinstance(value, int) and not isinstance(value, bool)
-    raise AssertionError(kind)
 
 
 @dataclass
@@ -68,11 +54,9 @@ def _check_call(call: Any, i: int) -> Call:
     if not isinstance(expect, dict):
         raise ValueError(f"{where}: 'expect' must be an object, got {type(expect).__name__}")
     for key, value in expect.items():
-        kind = EXPECT_KEYS.get(key)
-        if kind is None:
-            raise ValueError(f"{where}: expect has no key {key!r}; it takes: {', '.join(EXPECT_KEYS)}")
-        if not _type_ok(kind, value):
-            raise ValueError(f"{where}: expect {key!r} must be {_TYPE_WORDS[kind]}, got {value!r:.80}")
+        problem = check_value(key, value)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
     return Call(tool, dict(args), dict(expect))
 
 

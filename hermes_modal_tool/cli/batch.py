@@ -21,25 +21,13 @@ from ..backend import ToolBackend
 from ..config import SandboxConfig
 from ..errors import HermesModalToolError, SetupError
 from ..protocol import MAX_TIMEOUT_S
-from ..slots import ExecutionResult
 from ..status import status_table
 from ._batch_file import Call, Trajectory, parse_batch
 from ._common import InputError, Stopped, make_console, make_profiles, run_stoppable
+from ._expect import check_expectations, strict_problems
 from ._live_progress import LiveLines, LiveProgress
 
 OUTPUT_CAP = 2000
-
-
-def check_expectations(expect: Mapping[str, Any], r: ExecutionResult) -> list[str]:
-    """The expectations ``r`` does not meet, each as 'key: expected X, got Y'."""
-    got = {"returncode": r.returncode, "success": r.success,
-           "timed_out": bool(r.metadata.get("timed_out"))}
-    problems = [f"{key}: expected {json.dumps(expect[key])}, got {json.dumps(got[key])}"
-                for key in ("returncode", "success", "timed_out") if key in expect and got[key] != expect[key]]
-    needle = expect.get("output_contains")
-    if needle is not None and needle not in r.output:
-        problems.append(f"output_contains: {needle!r} not in output")
-    return problems
 
 
 def cap_output(text: str, limit: int = OUTPUT_CAP) -> str:
@@ -347,18 +335,22 @@ def summary_table(s: Mapping[str, Any]) -> Table:
 @click.option("--timeout", type=click.FloatRange(0, MAX_TIMEOUT_S, min_open=True),
               help="Per-call timeout in seconds (a bash call's own 'timeout' wins).")
 @click.option("--no-progress", is_flag=True, help="No progress bar or progress lines.")
+@click.option("--strict", is_flag=True,
+              help="Refuse the file unless every bash call's output expectation gives its "
+                   "'returncode' and every call that runs tests gives 'tests_ran'.")
 @click.option("--no-fork", is_flag=True,
               help="No forks or shared setups: each trajectory redoes its setup (and its fork "
                    "source's calls) in its own slot (for comparison).")
 def batch(file: str, output: str | None, profiles_file: str | None, profile: str | None,
           slots_per_sandbox: int | None, max_sandboxes: int | None, timeout: float | None,
-          no_progress: bool, no_fork: bool) -> None:
+          no_progress: bool, no_fork: bool, strict: bool) -> None:
     """Run the trajectories of FILE (JSONL), each in its own slot, all at once.
 
     Each line: {"id": str, "profile": str?, "meta": any?, "setup": [str]?, "fork":
     str?, "calls": [{"tool": str, "args": {...}, "expect": {"returncode": int,
-    "success": bool, "timed_out": bool, "output_contains": str}?}]}. A call without
-    "expect" expects success; a given "expect" checks only its keys. "setup":
+    "success": bool, "timed_out": bool, "output_contains": str, "output_matches": regex,
+    "tests_ran": int}?}]}. A call without "expect" expects success; a given "expect"
+    checks its keys, and one about the output alone also expects success. "setup":
     commands run once per distinct setup (shared, snapshotted) that the trajectory
     starts after; "fork": the id of a trajectory whose state after its calls this
     one starts from (files, working directory, exported variables). Exits 0 when every expectation is met,
@@ -367,6 +359,12 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
     if timeout is not None and not math.isfinite(timeout):  # FloatRange lets NaN through
         raise InputError(f"--timeout must be a finite number of seconds, got {timeout!r}")
     trajectories = parse_batch(file)
+    if strict:
+        problems = strict_problems((f"{file}, line {t.line} (id {t.id!r}), calls[{i}]", call)
+                                   for t in trajectories for i, call in enumerate(t.calls))
+        if problems:
+            raise InputError("--strict: " + "\n".join(problems[:20])
+                             + (f"\n... and {len(problems) - 20} more" if len(problems) > 20 else ""))
     profiles, default = make_profiles(
         profiles_file, profile, defaults={"slots_per_sandbox": 16, "min_sandboxes": 1, "max_sandboxes": 8},
         overrides={"slots_per_sandbox": slots_per_sandbox, "max_sandboxes": max_sandboxes})
