@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 
-from . import isolation
+from . import isolation, owned
 from .output import OutputCollector
 from .procs import slot_level, tree_usage
 
@@ -283,8 +283,8 @@ class ShellProcesses:
         if slot.agent.isolation != "bwrap":
             for pid in self.slot_processes():
                 isolation._kill(pid, signal.SIGKILL)
-            for sid in slot.background_sids:
-                for pid, _, _, _ in isolation.ns_processes(session=sid):
+            for sid in slot.background_sids:  # found in /proc; and only the slot's own now
+                for pid in owned.session_members(slot, sid):
                     isolation._kill(pid, signal.SIGKILL)
 
     def _kill_when_told(self):
