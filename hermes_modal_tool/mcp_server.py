@@ -21,6 +21,11 @@ code 124, not an error. A failed file call (no such file, a bad path) or bad
 arguments come back as a tool error (``isError``) the model reads. An unknown tool
 name is a protocol error (``-32602``), as the spec asks.
 
+Over HTTP, every request must carry ``Authorization: Bearer <token>`` (any local user
+can reach 127.0.0.1): the token is made at each start, printed once on stderr and
+written to a 0600 file, or read from ``--token-file``; other requests get 401 before
+any session or tool call (:mod:`._mcp_auth`). ``--no-auth`` turns it off, with a warning.
+
 Over HTTP, clients of the 2026-07-28 protocol revision that send each request on
 its own (no session) get a slot per request, released after it.
 
