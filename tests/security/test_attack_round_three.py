@@ -123,3 +123,30 @@ async def test_a_slot_cannot_grow_the_agents_memory_with_processes(mode_backend)
     assert await first.wait(timeout_s=20) is not None
     again = await backend.start_process(attacker, "echo room-again", pty=False)  # an ended one made room
     assert b"room-again" in await again.read_until(b"room-again", timeout_s=30)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses (IPv4, hex as in /proc/net/tcp) with a socket listening on ``port``."""
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(name).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hexport = local.rpartition(":")
+            if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                found.add(addr)
+    return found
+
+
+def test_the_test_servers_listen_on_loopback_only(modal_server):
+    """The local Modal control plane and the scripted OpenAI API are test tools with no
+    real authentication: they listen on 127.0.0.1 only (read in /proc/net/tcp, host side)."""
+    from hermes_modal_tool.testing.openai_server import FakeOpenAIServer
+
+    modal_port = int(modal_server.url.rsplit(":", 1)[1])
+    assert listening_addresses(modal_port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+    fake = FakeOpenAIServer([]).start()
+    try:
+        openai_port = int(fake.base_url.rsplit(":", 1)[1].split("/")[0])
+        assert listening_addresses(openai_port) == {"0100007F"}
+    finally:
+        fake.stop()
