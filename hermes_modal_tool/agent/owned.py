@@ -66,7 +66,8 @@ def belongs(slot, pid):
     if not status.get("Uid"):
         return False
     if slot.uid is not None:
-        return status["Uid"][0] == slot.uid and status["Uid"][1] == slot.uid
+        # Its real uid, as kill(2) judges: a set-uid program the slot ran is still its own.
+        return status["Uid"][0] == slot.uid
     # Every slot runs as the agent's own uid: only descent from this slot's shell counts.
     bash = shell.proc.pid if shell.proc is not None else None
     for _ in range(16):

@@ -240,11 +240,12 @@ class ShellProcesses:
                 if pid != self.proc.pid and isolation.started_after(pid, start, since)]
 
     def slot_processes(self):
-        """Every process of the slot except bash and init (for a hard reset without namespaces)."""
+        """Every process of the slot except bash and init (for a hard reset without namespaces):
+        its shell's session, and of it only the slot's own (a shell reaped already may have
+        left its number to a neighbour's new one: :func:`.owned.session_members`)."""
         if self.proc is None:
             return []
-        return [pid for pid, _, _, _ in isolation.ns_processes(session=self.proc.pid)
-                if pid != self.proc.pid]
+        return [pid for pid in owned.session_members(self.slot, self.proc.pid) if pid != self.proc.pid]
 
     def cwd(self):
         pid = self.shell_pid()
