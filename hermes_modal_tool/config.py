@@ -112,6 +112,16 @@ class SandboxConfig(BaseModel):
         None, gt=0, description="Memory limit per slot, MiB; default: a fair share, memory / "
                                 "slots_per_sandbox (at least 64). See slot_memory_mb.")
     pids_limit: int = Field(512, ge=8, le=1_000_000, description="Processes per slot.")
+    slot_processes: int = Field(
+        16, ge=1, le=4096,
+        description="Processes started through the API (start_process, bash with background) "
+                    "one slot may have running at once; one more is refused (an error naming "
+                    "this field). Ended ones are forgotten, oldest first, to make room.")
+    slot_process_output: int = Field(
+        16, ge=1, le=4096,
+        description="Output of those processes the sandbox's agent keeps for one slot, MiB, "
+                    "all of them together: each keeps its last slot_process_output / "
+                    "slot_processes (at most 1 MiB); older output is dropped and counted.")
     output_limit: int = Field(50_000, ge=100, le=100_000_000, description="Output cap per call, characters.")
     heartbeat_timeout: float = Field(
         30.0, ge=3, le=86400,

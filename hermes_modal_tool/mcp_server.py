@@ -21,6 +21,11 @@ code 124, not an error. A failed file call (no such file, a bad path) or bad
 arguments come back as a tool error (``isError``) the model reads. An unknown tool
 name is a protocol error (``-32602``), as the spec asks.
 
+Over HTTP, every request must carry ``Authorization: Bearer <token>`` (any local user
+can reach 127.0.0.1): the token is made at each start, printed once on stderr and
+written to a 0600 file, or read from ``--token-file``; other requests get 401 before
+any session or tool call (:mod:`._mcp_auth`). ``--no-auth`` turns it off, with a warning.
+
 Over HTTP, clients of the 2026-07-28 protocol revision that send each request on
 its own (no session) get a slot per request, released after it.
 
@@ -40,10 +45,12 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
+from ._mcp_auth import BearerAuth, new_token, read_token_file, write_token_file
 from .backend import ToolBackend
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .errors import HermesModalToolError
@@ -181,13 +188,16 @@ class SlotToolServer:
             await self.aclose()
 
     async def serve_http(self, port: int = 0,
-                         on_ready: Callable[[str], None] | None = None) -> None:
+                         on_ready: Callable[[str], None] | None = None, *, token: str | None) -> None:
         """Serve streamable HTTP at ``http://127.0.0.1:PORT/mcp`` until SIGINT/SIGTERM
         (or cancellation).
 
         Args:
             port: TCP port on 127.0.0.1 (0: a free one).
             on_ready: called with the URL once the socket listens.
+            token: requests must carry ``Authorization: Bearer <token>`` (else 401,
+                before any session or tool call: :mod:`._mcp_auth`); None serves anyone
+                who can reach 127.0.0.1 (every local user).
 
         Raises:
             OSError: the port cannot be bound.
@@ -196,6 +206,8 @@ class SlotToolServer:
 
         app = self.server.streamable_http_app(
             host="127.0.0.1", session_idle_timeout=self.idle_lifetime_s)
+        if token is not None:
+            app = BearerAuth(app, token)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
@@ -308,22 +320,46 @@ def build_backend(driver: str, profiles_file: str | None, profile: str | None) -
 @click.option("--idle-lifetime", type=click.FloatRange(0, min_open=True), envvar="TERMINAL_LIFETIME_SECONDS",
               default=DEFAULT_IDLE_LIFETIME_S, show_default=True,
               help="Release a session's slot after this many idle seconds [TERMINAL_LIFETIME_SECONDS].")
+@click.option("--token-file", type=click.Path(dir_okay=False),
+              help="http: the bearer token clients must send, read from this file (mode 0600); "
+                   "default: a new token per start, printed once and written to a 0600 file.")
+@click.option("--no-auth", is_flag=True,
+              help="http: accept requests without a token (any local user then runs commands in slots).")
 def mcp_command(transport: str, port: int, profiles_file: str | None, profile: str | None, driver: str,
-                timeout: float | None, idle_lifetime: float) -> None:
+                timeout: float | None, idle_lifetime: float, token_file: str | None, no_auth: bool) -> None:
     """Serve bash, read_file, write_file and list_files over MCP, one slot per session.
 
     stdio: add to a client's config, e.g. {"mcpServers": {"sandbox": {"command":
     "hermes-modal-tool", "args": ["mcp"]}}}. http: clients connect to
-    http://127.0.0.1:PORT/mcp.
+    http://127.0.0.1:PORT/mcp with the header "Authorization: Bearer <token>".
     """
     try:
         import mcp  # noqa: F401
     except ImportError:
         raise click.ClickException("the mcp extra is not installed: pip install 'hermes-modal-tool[mcp]'") from None
+    if token_file and no_auth:
+        raise click.UsageError("--token-file and --no-auth: choose one")
+    token: str | None = None
+    written: list[Path] = []
     try:
+        if transport == "http" and not no_auth:
+            token = read_token_file(token_file) if token_file else new_token()
         backend, name = build_backend(driver, profiles_file, profile)
     except HermesModalToolError as exc:
         raise click.ClickException(str(exc)) from None
+
+    def ready(url: str) -> None:
+        click.echo(f"hermes-modal-tool mcp: serving {url}", err=True)
+        if token is None:
+            click.echo("hermes-modal-tool mcp: WARNING: --no-auth: any local user can run commands "
+                       "in these slots", err=True)
+        elif token_file:
+            click.echo(f"hermes-modal-tool mcp: clients send 'Authorization: Bearer <the token in "
+                       f"{token_file}>'", err=True)
+        else:
+            written.append(write_token_file(token, int(url.rsplit(":", 1)[1].split("/")[0])))
+            click.echo(f"hermes-modal-tool mcp: clients send 'Authorization: Bearer {token}' "
+                       f"(the token is also in {written[0]}, mode 0600)", err=True)
 
     async def run() -> None:
         server = SlotToolServer(backend, profile=name, timeout_s=timeout, idle_lifetime_s=idle_lifetime)
@@ -334,9 +370,10 @@ def mcp_command(transport: str, port: int, profiles_file: str | None, profile: s
                 asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
                 await server.serve_stdio()
             else:
-                await server.serve_http(port, on_ready=lambda url: click.echo(
-                    f"hermes-modal-tool mcp: serving {url}", err=True))
+                await server.serve_http(port, on_ready=ready, token=token)
         finally:
+            for path in written:
+                path.unlink(missing_ok=True)
             await backend.stop()
 
     try:

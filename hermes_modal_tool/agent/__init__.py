@@ -28,6 +28,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.mounts", "agent/mounts.py"),
     ("hermes_modal_tool.agent.cgroups", "agent/cgroups.py"),
     ("hermes_modal_tool.agent.procs", "agent/procs.py"),
+    ("hermes_modal_tool.agent.owned", "agent/owned.py"),
     ("hermes_modal_tool.agent.rootplan", "agent/rootplan.py"),
     ("hermes_modal_tool.agent.trees", "agent/trees.py"),
     ("hermes_modal_tool.agent.layerspares", "agent/layerspares.py"),

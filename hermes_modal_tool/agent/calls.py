@@ -11,10 +11,12 @@ admission lets it in (:mod:`.admission`); the host is told about calls that wait
 import asyncio
 import functools
 import heapq
+import os
+import signal
 import time
 
 from .. import protocol
-from . import diskwatch, files, filetools, ptyprocs
+from . import diskwatch, files, filetools, isolation, owned, ptyprocs
 from .streaming import OutputStream
 
 #: Seconds a call may wait to start (behind its slot's running call, for admission or
@@ -300,13 +302,24 @@ class Calls:
             return res
         script = slot.write_ctl("bg_%d.sh" % job, command.encode("utf-8", "surrogatepass") + b"\n")
         prefix = "".join("%s=%s " % (k, _q(v)) for k, v in env.items())
-        # setsid is the backgrounded process itself, so $! is the job's pid and session id,
-        # and it exists before this call returns (a later timeout will not count it).
-        launcher = ("mkdir -p %s/.background || return 1\n%ssetsid bash --noprofile --norc %s "
-                    "</dev/null >%s 2>&1 &\necho $!" % (_q(ws), prefix, _q(script), _q(log)))
-        res, pid = await slot.shell.run_launcher(launcher)
+        # setsid is the backgrounded process itself (a child of the shell leading a session
+        # of its own), and it waits, stopped, until the agent has found it in /proc: its pid
+        # comes from the kernel, never from what the slot's shell prints.
+        launcher = ("mkdir -p %s/.background || return 1\n%ssetsid \"${BASH:-bash}\" --noprofile --norc -c "
+                    "'kill -STOP $$; . \"$0\"' %s </dev/null >%s 2>&1 &\n"
+                    % (_q(ws), prefix, _q(script), _q(log)))
+        shell = slot.shell
+        failure = await shell.ensure_ready()
+        if failure is not None:
+            return failure
+        bash, clock = shell.shell_pid(), isolation.process_clock()
+        res = await shell.run(launcher.encode("utf-8", "surrogatepass"), "/dev/null", {}, 10.0, 4096)
+        pid = await _stopped_job(slot, bash, clock) if bash and res["returncode"] == 0 else None
         if pid is None or res["returncode"] != 0:
-            res["error"] = "could not start the background job: %s" % (res["error"] or res["output"])
+            res["error"] = "could not start the background job: %s" % (
+                res["error"] or res["output"].strip() or "the slot's shell started no process of its "
+                "own in a session of its own")
+            res["returncode"] = res["returncode"] or 1
             return res
         slot.background_sids.append(pid)
         for key in ("stdout", "stderr"):
@@ -315,6 +328,24 @@ class Calls:
                          % (job, pid, log))
         res["data"] = {"background": {"job": job, "pid": pid, "log": log}}
         return res
+
+
+async def _stopped_job(slot, bash, clock, limit=10.0):
+    """The slot-view pid of the one job the shell (host pid ``bash``) started since
+    ``clock``, once it leads a session and has stopped itself; it is continued. None if
+    there is not exactly one such child within ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    pause = 0.001
+    while True:
+        kids = owned.new_children(slot, bash, clock)
+        if len(kids) == 1 and owned.session_of(kids[0]) == kids[0] and owned.state_of(kids[0]) == b"T":
+            pid = owned.slot_view(slot, kids[0])
+            os.kill(kids[0], signal.SIGCONT)
+            return pid
+        if len(kids) != 1 or time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _closing(live, done):

@@ -8,8 +8,9 @@ session on a new terminal of ``argv[2]`` rows and ``argv[3]`` columns (``argv[4]
 ``1`` a PTY, ``0`` pipes), and relays; with ``argv[6]`` it also appends the output to
 that file (a background job's log). Frames both ways: one type byte, a 4-byte
 big-endian length, the payload. Agent to helper: ``i`` input, ``r`` resize
-(``b"ROWS COLS"``), ``s`` a signal number for the process group, ``e`` end of input.
-Helper to agent: ``p`` the process's pid, ``o`` output, ``x`` the exit status (``-N``:
+(``b"ROWS COLS"``), ``s`` a signal number for the process group, ``e`` end of input,
+``g`` go (the agent found the process in ``/proc``: until then it waits before
+``exec``). Helper to agent: ``p`` the process's pid (a hint: the agent reads ``/proc``), ``o`` output, ``x`` the exit status (``-N``:
 killed by signal N). When the agent's side closes, the process group is killed.
 """
 
@@ -34,11 +35,14 @@ def main():
         in_r, in_fd = os.pipe()
         out_fd, out_w = os.pipe()
     sync_r, sync_w = os.pipe()
+    go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.setsid()
             os.close(sync_w)  # the parent goes on once the process group exists
+            os.close(go_w)
+            os.read(go_r, 1)  # and this one once the agent has found it in /proc
             if use_pty:
                 fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
                 for fd in (0, 1, 2):
@@ -56,6 +60,7 @@ def main():
     os.close(sync_w)
     os.read(sync_r, 1)
     os.close(sync_r)
+    os.close(go_r)
     if use_pty:
         os.close(slave)
     else:
@@ -102,6 +107,9 @@ def main():
                     elif kind == b"r" and use_pty:
                         r, c = (int(v) for v in data.split())
                         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", r, c, 0, 0))
+                    elif kind == b"g" and go_w is not None:
+                        os.close(go_w)
+                        go_w = None
                     elif kind == b"s":
                         os.killpg(pid, int(data))
                     elif kind == b"e" and in_fd is not None:

@@ -7,8 +7,11 @@ Stdlib-only, Python 3.8. A ``bash`` call with ``pty: true`` starts one (``rows``
 limits, working directory and exported variables), the helper connects to a socket
 the agent listens on in the slot's control directory (read-only to the slot), and
 everything then goes through that connection, never through the shell. Output is
-kept per process, its last :data:`KEEP_BYTES`; a read returns what came since the
-previous read. A reset of the slot (its release) kills every process it started,
+kept per process, its last :data:`KEEP_BYTES` or less (:func:`caps`); a read returns
+what came since the previous read. A slot has at most the profile's ``slot_processes``
+running (one more is refused, naming the cap; ended ones are forgotten, oldest first,
+to make room), so the agent holds at most ``slot_process_output`` MiB of their output
+per slot. Every pid the agent records comes from the kernel (:mod:`.owned`). A reset of the slot (its release) kills every process it started,
 these too, and forgets them.
 
 Requests (host -> agent): ``{"op": "process", "slot": N, "action": A, "process": ID, ...}``
@@ -25,10 +28,14 @@ import socket
 import struct
 
 from .. import protocol
-from . import ptyhelper
+from . import owned, ptyhelper
 
-#: Output bytes kept per process (older output is dropped and counted).
+#: Output bytes kept per process at most (older output is dropped and counted); less
+#: when the profile's ``slot_process_output`` / ``slot_processes`` is less (:func:`caps`).
 KEEP_BYTES = 1 << 20
+#: Defaults of the per-slot caps when the sandbox's configuration names none.
+MAX_PROCESSES = 16
+MAX_OUTPUT_MB = 16
 #: Input bytes waiting for a process beyond which a write is refused.
 MAX_UNSENT = 1 << 20
 #: Seconds the helper has to connect after the shell started it.
@@ -39,10 +46,12 @@ _IDS = itertools.count(1)
 class Proc:
     """One process of a slot, as the agent sees it."""
 
-    def __init__(self, slot_index, pid, command, pty, conn, loop):
+    def __init__(self, slot_index, pid, command, pty, conn, loop, keep=KEEP_BYTES):
         self.id = next(_IDS)
+        self.keep = keep  # output bytes kept (the slot's share: caps())
         self.slot_index = slot_index
-        self.pid = pid  # the helper's, until it reports the process's own
+        self.pid = pid  # as the slot sees it; found in /proc (owned.py), never as told
+        self.told = False  # the helper said its process exists (it waits for "g" to exec)
         self.command = command
         self.pty = pty
         self.conn = conn
@@ -90,12 +99,12 @@ class Proc:
             del inbox[:5 + size]
             if kind == b"o":
                 self.buf += payload
-                if len(self.buf) > KEEP_BYTES:
-                    cut = len(self.buf) - KEEP_BYTES
+                if len(self.buf) > self.keep:
+                    cut = len(self.buf) - self.keep
                     del self.buf[:cut]
                     self.base += cut
             elif kind == b"p":
-                self.pid = _int(payload, self.pid)
+                self.told = True  # the helper forked; the agent finds the pid in /proc
             elif kind == b"x":
                 self.returncode = _int(payload, None)
                 self.running = False
@@ -155,6 +164,37 @@ class ProcessError(Exception):
     """A process request that cannot be served (reported as the request's error)."""
 
 
+def caps(agent):
+    """``(processes, keep_bytes)``: how many processes started through the API one slot
+    may have running (``limits.processes``: the profile's ``slot_processes``) and the
+    output bytes each keeps, so that one slot's processes keep at most
+    ``limits.process_output_mb`` MiB together (``slot_process_output``)."""
+    limits = (getattr(agent, "config", None) or {}).get("limits") or {}
+    most = int(limits.get("processes") or MAX_PROCESSES)
+    total = int(limits.get("process_output_mb") or MAX_OUTPUT_MB) << 20
+    return most, max(4096, min(KEEP_BYTES, total // most))
+
+
+def make_room(agent, slot):
+    """Forget the slot's oldest ended processes until one more fits under its cap; None
+    then, else the failed ``call`` result that names the cap (every one still runs)."""
+    most, _ = caps(agent)
+    procs = table(agent)
+    mine = sorted((p for p in procs.values() if p.slot_index == slot.index), key=lambda p: p.id)
+    ended = [p for p in mine if not p.running]
+    while len(mine) >= most and ended:
+        gone = ended.pop(0)
+        mine.remove(gone)
+        procs.pop(gone.id).close()
+    if len(mine) < most:
+        return None
+    return protocol.call_result(
+        error="slot %d already has %d processes running that were started through the API "
+              "(start_process, bash with background), its limit (the profile's slot_processes: "
+              "%d); wait for one to end or signal it first" % (slot.index, len(mine), most),
+        returncode=1)
+
+
 def table(agent):
     procs = getattr(agent, "processes", None)
     if procs is None:
@@ -166,7 +206,16 @@ async def start(agent, slot, command, env, rows, cols, pty, log=None):
     """Start ``command`` as a process of ``slot``; return a ``call`` result (data
     ``{"process": {"id", "pid", "pty"}}``). ``log``: a path as the slot sees it to append
     the output to as well (a background job's); then, in a slot without ``python3``,
-    None: the caller starts the job its own way."""
+    None: the caller starts the job its own way.
+
+    The pids come from the kernel (:mod:`.owned`), never from what the slot's shell or
+    the helper print: the helper is the connection's peer (``SO_PEERCRED``) and must be
+    the slot's; the process is the helper's one child leading a session of its own, held
+    before ``exec`` until the agent has found it (a fast command cannot end first).
+    A slot at its cap of processes (:func:`caps`) gets a failed result naming it."""
+    full = make_room(agent, slot)
+    if full is not None:
+        return full
     n = next(_IDS)
     name = "proc_%d.sock" % n
     host_path = os.path.join(slot.ctl_host, name)
@@ -184,17 +233,17 @@ async def start(agent, slot, command, env, rows, cols, pty, log=None):
                     "processes need it'; return %d; }\n" % (3 if log else 1))
         if log:
             launcher += "mkdir -p %s || return 1\n" % _q(os.path.dirname(log))
-        launcher += ("%ssetsid python3 %s %s %d %d %d %s %s</dev/null >/dev/null 2>&1 &\necho $!" % (
+        launcher += ("%ssetsid python3 %s %s %d %d %d %s %s</dev/null >/dev/null 2>&1 &\n" % (
             prefix, _q(helper), _q("%s/%s" % (slot.ctl_path, name)), rows, cols, 1 if pty else 0,
             _q(script), _q(log) + " " if log else ""))
-        res, pid = await slot.shell.run_launcher(launcher)
+        res = await slot.shell.run(launcher.encode("utf-8", "surrogatepass"), "/dev/null", {},
+                                   10.0, 4096)
         if log and res["returncode"] == 3:
             return None
-        if pid is None or res["returncode"] != 0:
+        if res["returncode"] != 0:
             return protocol.call_result(
                 error="could not start the process: %s" % (res["error"] or res["output"].strip()),
                 returncode=1)
-        slot.background_sids.append(pid)
         try:
             conn, _ = await asyncio.wait_for(agent.loop.sock_accept(listener), CONNECT_S)
         except asyncio.TimeoutError:
@@ -206,16 +255,30 @@ async def start(agent, slot, command, env, rows, cols, pty, log=None):
             os.unlink(host_path)
         except OSError:
             pass
+    helper_pid = owned.peer_pid(conn)
+    if helper_pid is None or not owned.belongs(slot, helper_pid):
+        conn.close()
+        return protocol.call_result(
+            error="could not start the process: what connected to its socket (pid %s) is not a "
+                  "process of this slot" % (helper_pid,), returncode=1)
     conn.setblocking(False)
-    proc = Proc(slot.index, pid, command, pty, conn, agent.loop)
-    table(agent)[proc.id] = proc
+    proc = Proc(slot.index, None, command, pty, conn, agent.loop, caps(agent)[1])
     deadline = agent.loop.time() + CONNECT_S
-    while proc.pid == pid and proc.running and agent.loop.time() < deadline:  # its own pid
+    while not proc.told and proc.running and agent.loop.time() < deadline:
         try:
             await asyncio.wait_for(asyncio.shield(proc.changed), deadline - agent.loop.time())
         except asyncio.TimeoutError:
             break
-    pid = proc.pid
+    kids = owned.session_children(slot, helper_pid) if proc.told else []
+    pid = owned.slot_view(slot, kids[0]) if len(kids) == 1 else None
+    if pid is None:
+        proc.close()  # the helper kills what it started
+        return protocol.call_result(
+            error="could not start the process: its helper (pid %d) started no process of this "
+                  "slot in a session of its own" % helper_pid, returncode=1)
+    proc.pid = pid
+    table(agent)[proc.id] = proc
+    proc.send(b"g", b"")  # found: the process may exec its command
     slot.background_sids.append(pid)  # its own session: a timeout of a later command spares it
     return protocol.call_result(
         output="started process %d (pid %d)%s" % (proc.id, pid, " on a terminal" if pty else ""),
@@ -254,8 +317,9 @@ async def _act(agent, msg):
         return {"processes": [p.describe() for p in table(agent).values() if p.slot_index == index]}
     proc = table(agent).get(msg.get("process"))
     if proc is None or proc.slot_index != index:
-        raise ProcessError("no process %r in this slot (it was never started here, or the slot "
-                           "was released)" % (msg.get("process"),))
+        raise ProcessError("no process %r in this slot (it was never started here, the slot "
+                           "was released, or it had ended and was forgotten to make room for "
+                           "another: slot_processes)" % (msg.get("process"),))
     if action == "write":
         data = msg.get("data_b64")
         data = base64.b64decode(data) if data is not None else str(msg.get("data") or "").encode(

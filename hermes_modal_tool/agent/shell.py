@@ -238,18 +238,6 @@ class Shell(ShellStart, ShellProcesses):
         self.start(command, stdin_path, env, timeout, limit, fut.set_result)
         return await fut
 
-    async def run_launcher(self, text):
-        """Run ``text``, a launcher that starts something in the background and ends with
-        ``echo $!``, as one command; return ``(result, pid)``, the pid None when the last
-        line is not one."""
-        res = await self.run(text.encode("utf-8", "surrogatepass") + b"\n", "/dev/null", {},
-                             10.0, 4096)
-        try:
-            pid = int(res["output"].strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            pid = None
-        return res, pid
-
     def cancel(self, reason=None):
         """Stop the running command (its result says it was cancelled, or ``reason``)."""
         if self.collector is not None:

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 
-from . import isolation
+from . import isolation, owned
 from .output import OutputCollector
 from .procs import slot_level, tree_usage
 
@@ -240,11 +240,12 @@ class ShellProcesses:
                 if pid != self.proc.pid and isolation.started_after(pid, start, since)]
 
     def slot_processes(self):
-        """Every process of the slot except bash and init (for a hard reset without namespaces)."""
+        """Every process of the slot except bash and init (for a hard reset without namespaces):
+        its shell's session, and of it only the slot's own (a shell reaped already may have
+        left its number to a neighbour's new one: :func:`.owned.session_members`)."""
         if self.proc is None:
             return []
-        return [pid for pid, _, _, _ in isolation.ns_processes(session=self.proc.pid)
-                if pid != self.proc.pid]
+        return [pid for pid in owned.session_members(self.slot, self.proc.pid) if pid != self.proc.pid]
 
     def cwd(self):
         pid = self.shell_pid()
@@ -283,8 +284,8 @@ class ShellProcesses:
         if slot.agent.isolation != "bwrap":
             for pid in self.slot_processes():
                 isolation._kill(pid, signal.SIGKILL)
-            for sid in slot.background_sids:
-                for pid, _, _, _ in isolation.ns_processes(session=sid):
+            for sid in slot.background_sids:  # found in /proc; and only the slot's own now
+                for pid in owned.session_members(slot, sid):
                     isolation._kill(pid, signal.SIGKILL)
 
     def _kill_when_told(self):

@@ -349,7 +349,9 @@ class ModalDriver(Driver):
             "inherit_env": True,
             "uid_base": UID_BASE if config.isolation == "bwrap" else None,
             "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory_mb,
-                       "pids": config.pids_limit, "cpu": config.cpu},
+                       "pids": config.pids_limit, "cpu": config.cpu,
+                       "processes": config.slot_processes,
+                       "process_output_mb": config.slot_process_output},
             "output_limit": config.output_limit,
             # The host's secrets directories: absent from a real image, but where an image
             # has the path (one made from this machine, the local control plane's host

@@ -15,7 +15,8 @@ into its own types. Every request is checked the way the API checks it:
 
 A request that fails a check is answered with HTTP 400 in the API's error shape
 (the SDK raises ``openai.BadRequestError``) and the problem is recorded in
-:attr:`FakeOpenAIServer.errors`. Stdlib only; listens on 127.0.0.1 only.
+:attr:`FakeOpenAIServer.errors`. Stdlib only. A test tool, not for production: it
+listens on 127.0.0.1 only and checks no API key (any local user may call it).
 
 Example:
     >>> from openai import OpenAI

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
 from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
@@ -68,24 +69,47 @@ async def stdio_session(**env: str) -> AsyncIterator[ClientSession]:
         yield session
 
 
+class HttpServer:
+    """A running ``hermes-modal-tool mcp --transport http``: its URL, the bearer token it
+    printed, and the token's file."""
+
+    def __init__(self, url: str, token: str, token_file: Path) -> None:
+        self.url, self.token, self.token_file = url, token, token_file
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+def start_http_server(runtime_dir: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start the HTTP server (``--port 0``, its token file under ``runtime_dir``); return
+    it and its first stderr lines (the URL, then the token or the warning)."""
+    proc = subprocess.Popen([COMMAND, "mcp", "--transport", "http", "--port", "0", *args],
+                            env=_env(XDG_RUNTIME_DIR=str(runtime_dir)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, [proc.stderr.readline(), proc.stderr.readline()]
+
+
 @pytest.fixture(scope="module")
-def http_server() -> Iterator[str]:
-    """``hermes-modal-tool mcp --transport http --port 0``; yields its URL."""
-    proc = subprocess.Popen([COMMAND, "mcp", "--transport", "http", "--port", "0", "--idle-lifetime", "2"],
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    """``hermes-modal-tool mcp --transport http --port 0``; yields its URL and token."""
+    proc, lines = start_http_server(tmp_path_factory.mktemp("run"), "--idle-lifetime", "2")
     try:
-        line = proc.stderr.readline()
-        match = re.search(r"serving (http://127\.0\.0\.1:\d+/mcp)", line)
-        assert match, f"no URL in the server's first line: {line!r}"
-        yield match.group(1)
+        match = re.search(r"serving (http://127\.0\.0\.1:\d+/mcp)", lines[0])
+        assert match, f"no URL in the server's first line: {lines[0]!r}"
+        auth = re.search(r"'Authorization: Bearer (\S+)' \(the token is also in (\S+), mode 0600\)", lines[1])
+        assert auth, f"no token in the server's second line: {lines[1]!r}"
+        yield HttpServer(match.group(1), auth.group(1), Path(auth.group(2)))
     finally:
         proc.terminate()
         assert proc.wait(30) == 0, proc.stderr.read()
 
 
 @contextlib.asynccontextmanager
-async def http_session(url: str) -> AsyncIterator[ClientSession]:
-    async with streamable_http_client(url) as (read, write), ClientSession(read, write) as session:
+async def http_session(server: HttpServer) -> AsyncIterator[ClientSession]:
+    client = httpx2.AsyncClient(headers=server.headers, timeout=httpx2.Timeout(30, read=300))
+    async with client, streamable_http_client(server.url, http_client=client) as (read, write), \
+            ClientSession(read, write) as session:
         await session.initialize()
         yield session
 
@@ -196,12 +220,12 @@ def test_stdio_malformed_input_gets_protocol_errors() -> None:
 
 # -- streamable HTTP -------------------------------------------------------------------------
 
-async def test_http_tools_shell_and_errors(http_server: str) -> None:
+async def test_http_tools_shell_and_errors(http_server: HttpServer) -> None:
     async with http_session(http_server) as session:
         await check_tools_and_shell(session)
 
 
-async def test_http_two_concurrent_sessions_two_slots(http_server: str) -> None:
+async def test_http_two_concurrent_sessions_two_slots(http_server: HttpServer) -> None:
     async with http_session(http_server) as a, http_session(http_server) as b:
         homes = await asyncio.gather(workspace(a), workspace(b))
         assert homes[0] != homes[1]
@@ -210,11 +234,11 @@ async def test_http_two_concurrent_sessions_two_slots(http_server: str) -> None:
         assert homes[0] == await workspace(a)  # each keeps its own slot
 
 
-async def test_http_disconnect_mid_command_leaves_nothing_running(http_server: str) -> None:
+async def test_http_disconnect_mid_command_leaves_nothing_running(http_server: HttpServer) -> None:
     await disconnect_mid_command(http_session(http_server), "917.75")
 
 
-async def test_http_idle_session_slot_is_released(http_server: str) -> None:
+async def test_http_idle_session_slot_is_released(http_server: HttpServer) -> None:
     """The server runs with --idle-lifetime 2: a session quiet for longer loses its slot
     (a later call gets a fresh, empty one)."""
     async with http_session(http_server) as session:
@@ -228,11 +252,12 @@ async def test_http_idle_session_slot_is_released(http_server: str) -> None:
         assert text(await fresh.call_tool("list_files", {})) == "(empty)"
 
 
-def test_http_malformed_request_gets_protocol_error(http_server: str) -> None:
+def test_http_malformed_request_gets_protocol_error(http_server: HttpServer) -> None:
     headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    bad = httpx.post(http_server, content=b"{not json", headers=headers, timeout=10)
+    headers.update(http_server.headers)
+    bad = httpx.post(http_server.url, content=b"{not json", headers=headers, timeout=10)
     assert bad.status_code in (400, 422) and bad.json()["error"]["code"] == -32700
-    after = httpx.post(http_server, headers=headers, timeout=10, json={
+    after = httpx.post(http_server.url, headers=headers, timeout=10, json={
         "jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
             "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
     assert after.status_code == 200, after.text  # still serving
@@ -257,3 +282,64 @@ def test_bad_profile_or_profiles_file_is_a_clear_error(tmp_path: Path) -> None:
     ok = subprocess.run([COMMAND, "mcp", "--profiles-file", str(profiles), "--driver", "local"], env=_env(),
                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert ok.returncode == 0, ok.stderr  # served, then the client (no stdin) went away
+
+
+# -- authentication (HTTP) ----------------------------------------------------------------
+
+def test_http_requires_the_bearer_token_before_any_tool_runs(http_server: HttpServer) -> None:
+    """Any local user reaches 127.0.0.1: a request without the server's token (none, a
+    wrong one, a prefix of it, another scheme) gets 401 and runs nothing, even inside a
+    session opened with the token; the same call with it runs (positive control). The
+    token's file is the owner's only (0600)."""
+    assert http_server.token_file.stat().st_mode & 0o777 == 0o600
+    assert http_server.token_file.read_text().strip() == http_server.token
+    base = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    auth = http_server.headers
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}
+    for bad in ({}, {"Authorization": "Bearer " + "A" * len(http_server.token)},
+                {"Authorization": "Bearer " + http_server.token[:-1]}, {"Authorization": http_server.token}):
+        refused = httpx.post(http_server.url, headers={**base, **bad}, json=init, timeout=10)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer"), refused
+    opened = httpx.post(http_server.url, headers={**base, **auth}, json=init, timeout=10)
+    assert opened.status_code == 200, opened.text
+    session = {**base, "Mcp-Session-Id": opened.headers["mcp-session-id"], "Mcp-Protocol-Version": "2025-06-18"}
+    note = httpx.post(http_server.url, headers={**session, **auth}, timeout=10,
+                      json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    assert note.status_code == 202, note.text
+    tag = "927.25"
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "bash", "arguments": {"command": f"sleep {tag}", "background": True}}}
+    for bad in ({}, {"Authorization": "Bearer not-the-token-" + "x" * 30}):
+        refused = httpx.post(http_server.url, headers={**session, **bad}, json=call, timeout=10)
+        assert refused.status_code == 401, refused.text
+    time.sleep(1.0)
+    assert not sleepers(tag), "a tool ran for a request without the token"
+    ran = httpx.post(http_server.url, headers={**session, **auth}, json=call, timeout=30)
+    assert ran.status_code == 200 and "started background job" in ran.text, ran.text
+    deadline = time.monotonic() + 10
+    while not sleepers(tag):
+        assert time.monotonic() < deadline, "the authorized call did not run"
+        time.sleep(0.1)
+    httpx.delete(http_server.url, headers={**session, **auth}, timeout=10)  # the session ends: released
+
+
+def test_http_token_file_and_no_auth(tmp_path: Path) -> None:
+    """``--token-file`` must be the owner's only; ``--no-auth`` serves anyone, with a warning."""
+    loose = tmp_path / "token"
+    loose.write_text("a-token-of-enough-length-123456\n")
+    loose.chmod(0o644)
+    bad = subprocess.run([COMMAND, "mcp", "--transport", "http", "--port", "0", "--token-file", str(loose)],
+                         env=_env(), capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert bad.returncode != 0 and str(loose) in bad.stderr and "chmod 600" in bad.stderr, bad.stderr
+    proc, lines = start_http_server(tmp_path, "--no-auth")
+    try:
+        assert "WARNING: --no-auth" in lines[1], lines
+        url = re.search(r"serving (\S+)", lines[0]).group(1)
+        r = httpx.post(url, timeout=10, json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}},
+            headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream"})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0

@@ -48,6 +48,8 @@ BAD: dict[str, list[Any]] = {
     "isolation": ["docker", "", True, None],
     "slot_memory": [0, -1, "1G", 1.5, []],
     "pids_limit": [0, 7, -1, 10**7, "many", None],
+    "slot_processes": [0, -1, 5000, "many", None, 2.5],
+    "slot_process_output": [0, -1, 5000, "lots", None, 1.5],
     "output_limit": [0, 99, -1, 10**9, "big", None],
     "add_python": ["2.7", "3", "latest", "", 3.11, None],
     "heartbeat_timeout": [0, 2, -1, math.nan, 10**9, "30s", None],

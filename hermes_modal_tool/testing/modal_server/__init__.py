@@ -4,7 +4,9 @@
 and the task command router (``modal.task_command_router.TaskCommandRouter``) on
 one grpclib server on ``http://127.0.0.1:PORT``. The unmodified SDK (1.6) works
 against it with ``MODAL_SERVER_URL`` pointed at it and any token the server was
-told to accept (the SDK accepts plain http only for a localhost server)::
+told to accept (the SDK accepts plain http only for a localhost server). A test tool,
+not for production: it listens on 127.0.0.1 only, and its sandboxes run as this
+machine's root with its directories bound read-only (SECURITY.md)::
 
     async with LocalModalServer() as server:
         os.environ.update(server.env())
