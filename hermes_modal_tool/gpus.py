@@ -199,6 +199,20 @@ class LocalGpus:
                 "profile": config.name, "image": image_root is not None}
 
 
+def container_init(config: Any) -> dict[str, Any] | None:
+    """The agent's ``init["gpu"]`` for a Modal sandbox of ``config`` (None: no ``gpu``,
+    or ``HERMES_MODAL_TOOL_GPU=ignore``). Modal gave the container the GPUs it asked
+    for: the agent finds them there (every one of them, of whatever type) and gives
+    them to the slots as locally; a container without one fails to start with
+    :class:`~hermes_modal_tool.errors.GpuUnavailableError`."""
+    if not config.gpu or gpu_mode() == "ignore":
+        return None
+    request = parse_gpu(config.gpu)
+    return {"found": None, "root": "/", "type": None, "count": request.count, "minors": None,
+            "sharing": config.gpu_sharing, "profile": config.name,
+            "mps": {"threads": config.gpu_mps_threads, "memory_mb": config.gpu_mps_memory}}
+
+
 class _Sampler:
     """The GPUs' compute processes (pid, MiB), sampled off the event loop: ``sample()``
     returns the last sample and its age at once and starts a new one in a thread when

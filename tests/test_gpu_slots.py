@@ -249,3 +249,32 @@ def test_gpu_value_errors_name_profile_and_value(value):
 @pytest.mark.parametrize("value", ["T4", "h100", "H100:2", "A100-80GB", "H100!", "any", "any:2"])
 def test_gpu_values_modal_accepts(value):
     assert SandboxConfig(gpu=value).gpu == value
+
+
+async def test_modal_driver_passes_gpu_and_its_slots_get_the_containers_gpus(
+        make_backend, gpu_root, modal_server, monkeypatch):
+    from conftest import running_sandboxes
+
+    from hermes_modal_tool import ModalSandboxConfig
+
+    # A container without a GPU: the agent finds none there and the start fails, named.
+    monkeypatch.delenv("HERMES_MODAL_TOOL_GPU_ROOT", raising=False)
+    none = await make_backend(config=ModalSandboxConfig(
+        name="modal-gpu", gpu="T4:2", slots_per_sandbox=2, min_sandboxes=1, max_sandboxes=1),
+        start=False)
+    with pytest.raises(GpuUnavailableError, match="modal-gpu.*no NVIDIA GPU"):
+        await none.start()
+    # With stand-in nodes in the container's /dev (as Modal's runtime binds real ones),
+    # the agent gives them to the slots as the local driver does.
+    gpu_root(gpus=2)
+    backend = await make_backend(config=ModalSandboxConfig(
+        name="modal-gpu", gpu="T4:2", slots_per_sandbox=2, min_sandboxes=1, max_sandboxes=1))
+    [record] = running_sandboxes(modal_server, "modal-gpu")
+    assert record.gpu == "T4:2"  # what Sandbox.create was given
+    slot = await backend.acquire("t-modal")
+    out = (await bash(backend, slot, SEE)).output
+    assert "char:/dev/nvidia0\n" in out and "char:/dev/nvidia1\n" in out, out
+    assert "char:/dev/nvidiactl" in out and "visible=0,1 nvidia=0,1" in out, out
+    [pool] = backend.get_status()["pools"].values()
+    [sb] = pool["gpu"]["sandboxes"].values()
+    assert sb["devices"] == ["/dev/nvidia0", "/dev/nvidia1"] and sb["slots"] is None

@@ -303,6 +303,11 @@ def mps_slot_env(threads_percent, memory_mb, count):
     return env
 
 
+class GpuMissing(RuntimeError):
+    """No GPU (or not of the type asked) for a gpu profile's slots: the host raises
+    ``GpuUnavailableError`` for it (the reply's ``kind``)."""
+
+
 def _tokens(text):
     return [t for t in re.split(r"[^A-Z0-9]+", text.upper()) if t]
 
@@ -345,7 +350,7 @@ class AgentGpu:
     select here), ``sharing``, ``mps`` (``{"threads": %, "memory_mb": MiB}``), ``profile``.
 
     Raises:
-        RuntimeError: no GPU, or not of the type asked (names the profile).
+        GpuMissing: no GPU, or not of the type asked (names the profile).
     """
 
     def __init__(self, cfg, state_dir, image_root):
@@ -354,7 +359,7 @@ class AgentGpu:
         if minors is None:
             minors, problem = select(found, cfg.get("type"), int(cfg.get("count") or 1))
             if minors is None:
-                raise RuntimeError("profile %r: no GPU for its slots: %s" % (cfg.get("profile"), problem))
+                raise GpuMissing("profile %r: no GPU for its slots: %s" % (cfg.get("profile"), problem))
         self.minors = list(minors)
         self.sharing = cfg.get("sharing") or "time-slicing"
         self.mps = None

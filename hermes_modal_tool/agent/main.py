@@ -163,7 +163,8 @@ class Agent(Setup, Calls, DiskWatch):
         try:
             self.send({"id": mid, "ok": True, "result": fn(msg)})
         except Exception as exc:  # report, never die
-            self.send({"id": mid, "ok": False, "error": "%s: %s" % (type(exc).__name__, exc)})
+            self.send({"id": mid, "ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
+                       "kind": type(exc).__name__})
 
     # -- ops -------------------------------------------------------------------
     def handle_status(self, msg):
