@@ -278,3 +278,24 @@ async def test_modal_driver_passes_gpu_and_its_slots_get_the_containers_gpus(
     [pool] = backend.get_status()["pools"].values()
     [sb] = pool["gpu"]["sandboxes"].values()
     assert sb["devices"] == ["/dev/nvidia0", "/dev/nvidia1"] and sb["slots"] is None
+
+
+async def test_cuda_less_image_gets_the_driver_files_where_its_loader_looks(
+        make_backend, gpu_root, tmp_path, monkeypatch):
+    from image_builder import busybox_rootfs
+
+    gpu_root(gpus=1)
+    monkeypatch.setenv("HERMES_MODAL_TOOL_IMAGE_CACHE", str(tmp_path / "cache"))
+    image = tmp_path / "rootfs"
+    busybox_rootfs(image)  # no driver, no CUDA; a Debian-style multiarch library directory
+    (image / "usr/lib/x86_64-linux-gnu").mkdir(parents=True)
+    (image / "usr/lib/x86_64-linux-gnu/libimage.so.1").write_text("the image's own\n")
+    backend = await make_backend(image=f"dir:{image}", gpu="H100")
+    slot = await backend.acquire("t-image")
+    lib = "/usr/lib/x86_64-linux-gnu"
+    out = (await bash(backend, slot, SEE + f"cat {lib}/libcuda.so.1 {lib}/libimage.so.1; "
+                      f"echo x > {lib}/libnvidia-ml.so.1 || echo ro-lib; nvidia-smi -L; "
+                      "ls /usr/local/nvidia 2>&1")).output
+    assert "char:/dev/nvidia0" in out and f"visible={UUIDS[0]}" in out, out
+    assert "stand-in libcuda.so\nthe image's own\n" in out and "ro-lib" in out, out
+    assert f"UUID: {UUIDS[0]}" in out and "No such file" in out, out  # in /usr/bin, not the host's path
