@@ -299,3 +299,28 @@ async def test_cuda_less_image_gets_the_driver_files_where_its_loader_looks(
     assert "char:/dev/nvidia0" in out and f"visible={UUIDS[0]}" in out, out
     assert "stand-in libcuda.so\nthe image's own\n" in out and "ro-lib" in out, out
     assert f"UUID: {UUIDS[0]}" in out and "No such file" in out, out  # in /usr/bin, not the host's path
+
+
+def run_benchmark(*args: str, root: Path) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HERMES_MODAL_TOOL_GPU_ROOT": str(root)}
+    env.pop("HERMES_MODAL_TOOL_GPU", None)
+    bench = Path(__file__).resolve().parent.parent / "benchmarks/gpu.py"
+    proc = subprocess.run([sys.executable, str(bench), *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_gpu_benchmark_says_so_without_a_gpu_and_checks_slots_with_one(gpu_root):
+    code, out = run_benchmark("--slots", "1,0", root=gpu_root(gpus=0))
+    assert code == 2 and "--slots: expected slot counts" in out, out
+    code, out = run_benchmark(root=gpu_root(gpus=0))
+    assert code == 3 and "no NVIDIA GPU on this machine" in out, out
+    # Stand-in GPUs: the slot's checks run (nvidia-smi -L, the nodes, the variable); the
+    # CUDA job fails, named, on a libcuda that is no library (there is no GPU here).
+    code, out = run_benchmark("--slots", "1", root=gpu_root(gpus=1))
+    assert code == 1 and f"[host root] nvidia-smi -L (exit 0):\n  GPU 0: {MODEL}" in out, out
+    assert f"CUDA_VISIBLE_DEVICES={UUIDS[0]}" in out and "/dev/nvidia0" in out, out
+    assert "[host root] CUDA job: FAILED" in out and "driver: " in out and "libcuda.so.1" in out, out

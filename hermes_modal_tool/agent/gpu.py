@@ -126,15 +126,16 @@ def _ldconfig_dirs():
 
 
 def _driver_files(root):
-    """``(libraries, binaries)``: lists of paths relative to ``root`` of the driver's files.
+    """``(libraries, binaries, cached)``: lists of paths relative to ``root`` of the
+    driver's files, and whether the loader's cache (``ldconfig -p``) lists the libraries.
 
     Libraries come from the first directory (``ldconfig -p``'s, then :data:`LIB_DIRS`)
     holding ``libcuda.so*``, every name of :data:`LIB_NAMES` there (symlinks included);
     binaries from the first of :data:`BIN_DIRS` holding each.
     """
-    lib_dirs = (_ldconfig_dirs() if root == "/" else []) + list(LIB_DIRS)
+    cached = _ldconfig_dirs() if root == "/" else []
     libs = []
-    for rel in lib_dirs:
+    for rel in cached + [d for d in LIB_DIRS if d not in cached]:
         d = _under(root, rel)
         try:
             names = sorted(os.listdir(d))
@@ -151,7 +152,7 @@ def _driver_files(root):
             if os.path.isfile(_under(root, os.path.join(rel, name))):
                 bins.append(os.path.join(rel, name))
                 break
-    return libs, bins
+    return libs, bins, bool(libs) and os.path.dirname(libs[0]) in cached
 
 
 def _driver_version(root, libs):
@@ -182,7 +183,7 @@ def discover(root="/", cdi=None):
     """
     gpus = _gpus_from_proc(root)
     source = "/proc/driver/nvidia"
-    libs, bins = _driver_files(root)
+    libs, bins, cached = _driver_files(root)
     if not gpus and root == "/":
         smi = next((_under(root, b) for b in bins if b.endswith("/nvidia-smi")), None)
         gpus = _gpus_from_smi(smi) if smi else []
@@ -210,7 +211,7 @@ def discover(root="/", cdi=None):
         "caps": os.path.isdir(_under(root, "dev/nvidia-caps")),
         "libs": libs, "bins": bins, "firmware": firmware,
         "sys": [p for p in SYS_PARTS if os.path.isdir(_under(root, p))],
-        "version": version, "cdi_env": {}, "cdi_mounts": [],
+        "version": version, "cdi_env": {}, "cdi_mounts": [], "ld_cached": cached,
     }
     if cdi:
         edits = cdi.get("containerEdits") or {}
@@ -255,8 +256,9 @@ def slot_plan(found, minors, image_root=None, sharing="time-slicing", mps_pipe=N
             at :data:`MPS_PIPE` when ``sharing == "mps"``.
 
     Returns:
-        ``{"argv": [...], "env": {...}}``; ``argv`` goes after the slot's ``--dev /dev``
-        and root binds (and before any ``--remount-ro /dev``).
+        ``{"argv": [...], "env": {...}, "path": dir}``; ``argv`` goes after the slot's
+        ``--dev /dev`` and root binds (and before any ``--remount-ro /dev``); ``path``: the
+        directory of ``nvidia-smi`` in the slot, for its ``PATH``.
     """
     root = found["root"]
     argv = []
@@ -269,12 +271,21 @@ def slot_plan(found, minors, image_root=None, sharing="time-slicing", mps_pipe=N
     for rel in found["sys"]:
         argv += ["--ro-bind", _under(root, rel), "/" + rel]
     files = []
+    env = dict(found.get("cdi_env") or {})
+    path = None
     if image_root:
+        path = "/usr/bin"
         lib_dir = image_lib_dir(image_root)
         files += [(_under(root, r), lib_dir + "/" + os.path.basename(r)) for r in found["libs"]]
         files += [(_under(root, r), "/usr/bin/" + os.path.basename(r)) for r in found["bins"]]
     else:
         files += [(_under(root, r), "/" + r) for r in found["libs"] + found["bins"]]
+        # Where the host's loader finds them only through its environment (a driver under
+        # /usr/local/nvidia, say), the slot's gets that too; nvidia-smi's directory joins PATH.
+        if found["libs"] and not found.get("ld_cached"):
+            env["LD_LIBRARY_PATH"] = "/" + os.path.dirname(found["libs"][0])
+        if found["bins"]:
+            path = "/" + os.path.dirname(found["bins"][0])
     files += [(_under(root, r), "/" + r) for r in found["firmware"]]
     files += [tuple(m) for m in found.get("cdi_mounts") or ()]
     for src, dest in files:
@@ -282,13 +293,12 @@ def slot_plan(found, minors, image_root=None, sharing="time-slicing", mps_pipe=N
     uuids = [g["uuid"] for g in found["gpus"] if g["minor"] in minors]
     visible = ",".join(uuids) if len(uuids) == len(minors) and all(uuids) else ",".join(
         str(m) for m in minors)
-    env = dict(found.get("cdi_env") or {})
     env.update({"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible,
                 "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"})
     if sharing == "mps" and mps_pipe:
         argv += ["--bind", mps_pipe, MPS_PIPE]
         env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE
-    return {"argv": argv, "env": env}
+    return {"argv": argv, "env": env, "path": path}
 
 
 def mps_slot_env(threads_percent, memory_mb, count):
@@ -381,6 +391,7 @@ class AgentGpu:
                          plan_pipe)
         self.argv = plan["argv"]
         self.env = plan["env"]
+        self.path = plan["path"]
         if self.mps:
             limits = cfg.get("mps") or {}
             self.env.update(mps_slot_env(limits.get("threads"), limits.get("memory_mb"),
@@ -409,6 +420,16 @@ class AgentGpu:
             if op != "--ro-bind" or top in ("dev", "sys", "run", "tmp") or os.path.exists(dest):
                 out += [op, src, dest]
             i += 3
+        return out
+
+    def slot_env(self, env):
+        """``env`` (the slots' environment) with the GPU variables, and ``nvidia-smi``'s
+        directory at the end of its ``PATH`` when not there."""
+        out = dict(env)
+        out.update(self.env)
+        dirs = (out.get("PATH") or "").split(":")
+        if self.path and self.path not in dirs:
+            out["PATH"] = ":".join([d for d in dirs if d] + [self.path])
         return out
 
     def close(self):

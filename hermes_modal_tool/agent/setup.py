@@ -74,7 +74,7 @@ class Setup:
         os.chmod(self.ctl_root, 0o711)
         if cfg.get("gpu"):  # a gpu profile: the slots' devices, driver files and env (gpu.py)
             self.gpu = gpu.AgentGpu(cfg["gpu"], self.state_dir, self.image_root)
-            self.env.update(self.gpu.env)
+            self.env = self.gpu.slot_env(self.env)
         os.makedirs(self.host_root, exist_ok=True)
         os.chmod(self.host_root, 0o711)
         self.cgroups = None
