@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .gpus import gpu_status
+
 
 class PoolStatus:
     """Mixed into the pool: needs its ``config``, ``info``, ``stats``, ``last_error``,
@@ -47,6 +49,7 @@ class PoolStatus:
             "limits_note": self.info.get("limits_note") or None,
             "abstract_sockets": self.info.get("abstract_sockets"),
             "network": self.config.network,
+            "gpu": gpu_status(self.config, self._sandboxes),
             **self.stats,
             "last_error": self.last_error,
         }

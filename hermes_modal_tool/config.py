@@ -68,7 +68,22 @@ class SandboxConfig(BaseModel):
                                    "driver pulls it when the profile sets it), or locally dir:, oci:, "
                                    "oci-archive:, docker-archive:. Left at the default, local slots use "
                                    "the host's root filesystem.")
-    gpu: str | None = Field(None, description="GPU type for Modal (T4, A10G, A100, H100, ...).")
+    gpu: str | None = Field(
+        None, description="GPUs per sandbox, Modal's syntax: a type ('T4', 'A100-80GB', 'H100', or "
+                          "'any') and an optional count ('H100:2'). The slots of a sandbox share "
+                          "its GPUs; the local driver gives them the host's (see the README's "
+                          "'GPU slots').")
+    gpu_sharing: Literal["time-slicing", "mps"] = Field(
+        "time-slicing", description="How a sandbox's slots share its GPUs: 'time-slicing' (what "
+                                    "CUDA does for several processes) or 'mps' (an NVIDIA MPS "
+                                    "control daemon per sandbox, where the driver has one).")
+    gpu_mps_threads: int | None = Field(
+        None, ge=1, le=100, description="With gpu_sharing: mps, each slot's share of the SMs, percent "
+                                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); default: no limit.")
+    gpu_mps_memory: int | None = Field(
+        None, gt=0, le=16 * 1024 * 1024,
+        description="With gpu_sharing: mps, GPU memory each slot may pin per GPU, MiB "
+                    "(CUDA_MPS_PINNED_DEVICE_MEM_LIMIT); default: no limit.")
     cpu: float = Field(1.0, gt=0, le=512, description="CPU cores per sandbox.")
     memory: int = Field(2048, gt=0, le=4 * 1024 * 1024, description="Memory per sandbox, MiB.")
     slots_per_sandbox: int = Field(10, ge=1, le=4096)
@@ -144,6 +159,16 @@ class SandboxConfig(BaseModel):
         if not parts or any(p in (".", "..") for p in parts):
             raise ValueError(f"must be an absolute path below '/', got {value!r}")
         return "/" + "/".join(parts)
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from .gpus import parse_gpu
+
+        parse_gpu(value)  # ValueError: named with the profile and key by ConfigError
+        return value.strip()
 
     @field_validator("scale_down_idle")
     @classmethod

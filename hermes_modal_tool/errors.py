@@ -10,6 +10,8 @@ Modal SDK, bubblewrap) are translated here, so callers never import theirs::
     ├── SandboxError                 a sandbox could not be used
     │   ├── SandboxStartError        a sandbox failed to start
     │   │   ├── IsolationUnavailableError   bubblewrap / user namespaces missing
+    │   │   ├── GpuUnavailableError  a gpu profile on a machine without its GPUs
+    │   │   │   └── GpuMismatchError GPUs, but not of the type (or number) asked
     │   │   └── CredentialsError     Modal found or accepted no credentials
     │   └── SandboxDiedError         a sandbox's agent exited or was killed
     ├── PoolTimeoutError             no slot became free within acquire_timeout_s
@@ -69,6 +71,17 @@ class SandboxStartError(SandboxError):
 
 class IsolationUnavailableError(SandboxStartError):
     """Raised when bubblewrap or user namespaces are unavailable on this machine."""
+
+
+class GpuUnavailableError(SandboxStartError):
+    """Raised when a sandbox of a ``gpu`` profile starts on a machine without a usable
+    NVIDIA GPU (the message names the profile and what it asked; the setting
+    ``HERMES_MODAL_TOOL_GPU=ignore`` runs such profiles without GPUs on purpose)."""
+
+
+class GpuMismatchError(GpuUnavailableError):
+    """Raised when the machine's GPUs are not of the type a profile's ``gpu`` names, or
+    fewer than its count (names the profile, the type asked and the GPUs found)."""
 
 
 class ImageError(SandboxStartError):

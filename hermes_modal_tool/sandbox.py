@@ -93,6 +93,10 @@ class Sandbox:
         except SandboxError as exc:
             raise SandboxStartError(f"sandbox {self.sandbox_id} did not start: {exc}") from None
         if not reply.get("ok"):
+            if reply.get("kind") == "GpuMissing":  # agent/gpu.py: a gpu profile, no GPU there
+                from .errors import GpuUnavailableError
+
+                raise GpuUnavailableError(f"sandbox {self.sandbox_id}: {reply.get('error')}")
             raise SandboxStartError(f"sandbox {self.sandbox_id} refused its config: {reply.get('error')}")
         self.info = reply["result"]
         return self.info

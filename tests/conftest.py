@@ -26,6 +26,10 @@ from hermes_modal_tool import SandboxConfig, Slot, ToolBackend
 # seed's python:3.11, pytorch ...) keep the host's root filesystem, as before images. The
 # image tests (test_images.py) use local images, and set "pull" where they test pulling.
 os.environ.setdefault("HERMES_MODAL_TOOL_REGISTRY_IMAGES", "host")
+# No GPU on the test machine either: profiles naming a ``gpu`` (the README's and the
+# seed's pytorch-gpu) run without one, as documented; test_gpu_slots.py unsets this and
+# gives its slots stand-in GPUs.
+os.environ.setdefault("HERMES_MODAL_TOOL_GPU", "ignore")
 
 # The OpenAI Agents SDK tests need `openai-agents`, which cannot share an environment with
 # `hermes-agent` (openai 3 vs its openai 2 pin): scripts/test.sh runs them in .venv-agents;

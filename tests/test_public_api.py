@@ -25,6 +25,8 @@ EXPECTED_ALL = [
     "ConfigWarning",
     "CredentialsError",
     "ExecutionResult",
+    "GpuMismatchError",
+    "GpuUnavailableError",
     "HermesModalToolError",
     "ImageError",
     "IsolationUnavailableError",

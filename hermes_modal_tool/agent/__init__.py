@@ -51,6 +51,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.shell", "agent/shell.py"),
     ("hermes_modal_tool.agent.slot", "agent/slot.py"),
     ("hermes_modal_tool.agent.caps", "agent/caps.py"),
+    ("hermes_modal_tool.agent.gpu", "agent/gpu.py"),
     ("hermes_modal_tool.agent.heartbeat", "agent/heartbeat.py"),
     ("hermes_modal_tool.agent.quiet", "agent/quiet.py"),
     ("hermes_modal_tool.agent.setup", "agent/setup.py"),

