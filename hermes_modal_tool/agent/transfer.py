@@ -260,6 +260,11 @@ def _read_tar(agent, base, src):
     links = set()
     seen = set()
     trees_open = {}  # (layer, mount) -> Tree of that layer's upper directory
+
+    def upper(k, i):
+        path = os.path.join(base, "L%d" % k, "upper" if i == 0 else "layers/%d/upper" % i)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
     dirs = []  # (tree, parts, (dev, ino), member, xattrs): set last, children first
     try:
         with tarfile.open(fileobj=src, mode="r|") as tar:
@@ -270,9 +275,7 @@ def _read_tar(agent, base, src):
                 k, i, parts = _check_member(member, meta, mounts, links, seen)
                 tree = trees_open.get((k, i))
                 if tree is None:
-                    upper = os.path.join(base, "L%d" % k, "upper" if i == 0 else "layers/%d/upper" % i)
-                    os.makedirs(upper, mode=0o700, exist_ok=True)
-                    tree = trees_open[(k, i)] = beneath.Tree(upper, in_root=False)
+                    tree = trees_open[(k, i)] = beneath.Tree(upper(k, i), in_root=False)
                 xattrs = [(n[len("HMT.xattr."):], base64.b64decode(v))
                           for n, v in member.pax_headers.items() if n.startswith("HMT.xattr.")]
                 _write_member(tar, member, tree, parts, xattrs, trees_open, dirs)
@@ -293,6 +296,9 @@ def _read_tar(agent, base, src):
             tree.close()
     if meta is None:
         raise SnapshotError("empty snapshot stream")
+    for k in range(meta["layers"]):  # every layer has every mount's upper, if empty
+        for i in range(len(mounts)):
+            upper(k, i)
     return meta, [sizes.get(k, 0) for k in range(meta["layers"])]
 
 

@@ -96,18 +96,19 @@ class Budget:
         """Charge one entry of ``size`` apparent bytes, before it is written.
 
         Raises:
-            ImageError: the image would pass ``max_files`` or ``max_bytes``.
+            ImageError: the image would pass ``max_files`` or ``max_bytes`` (the message
+                names the limit; the caller adds the image and layer).
         """
         self.files += 1
         if self.files > self.limits.max_files:
-            raise ImageError(f"image {self.image!r} has more than {self.limits.max_files} "
-                             f"entries, the limit (ImageLimits.max_files, {ENV_MAX_FILES})")
+            raise ImageError(f"over its entry limit: more than {self.limits.max_files} entries "
+                             f"(ImageLimits.max_files, {ENV_MAX_FILES})")
         self.bytes += max(0, size)
         if self.bytes > self.limits.max_bytes:
-            raise ImageError(f"image {self.image!r} unpacks to more than "
-                             f"{self.limits.max_bytes} bytes ({_human(self.limits.max_bytes)}), "
-                             f"the limit (ImageLimits.max_bytes, {ENV_MAX_BYTES}); sparse "
-                             "files count by their apparent size")
+            raise ImageError(f"over its unpacked-size limit: more than {self.limits.max_bytes} "
+                             f"bytes ({_human(self.limits.max_bytes)}) of files "
+                             f"(ImageLimits.max_bytes, {ENV_MAX_BYTES}); sparse files count by "
+                             "their apparent size")
 
 
 def _human(n: int) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -78,9 +80,19 @@ def attack_layers(case: str, host: dict[str, Path]) -> tuple[list, list]:
     }[case]
 
 
+@pytest.fixture(params=["openat2", "walk"])
+def resolver(request, monkeypatch):
+    """Parents resolved by ``openat2`` or by the walk used where the kernel has none."""
+    if request.param == "walk":
+        from hermes_modal_tool.agent import beneath
+
+        monkeypatch.setattr(beneath, "_openat2_missing", [True])
+    return request.param
+
+
 @pytest.mark.parametrize("case", ["write", "write-relative", "whiteout", "opaque", "duplicate",
                                   "hard-link"])
-def test_image_symlink_to_the_host_then_through_it(case, host, tmp_path):
+def test_image_symlink_to_the_host_then_through_it(case, host, tmp_path, resolver):
     before = host_state(host)
     image = docker_archive(tmp_path / "evil.tar", list(attack_layers(case, host)))
     got = ImageCache(tmp_path / "cache").get(image)
@@ -138,34 +150,58 @@ async def snapshot_meta(backend) -> dict:
         return json.loads(tar.extractfile("hmt-snapshot.json").read())
 
 
-SNAPSHOT_CASES = {  # members after the symlink; what a fork of the import shows
-    "file": ([member("L0/m0/x", data=b"pwned\n", mode=0o666, uid=1234, gid=1234)],
-             "regular file 666 65534"),  # 1234 is unmapped in a slot
-    "dir": ([member("L0/m0/x", DIR, mode=0o777, uid=1234, gid=1234)], "directory 777 65534"),
-    "hard-link": ([member("L0/m0/h", LNK, link="L0/m0/x")], "symbolic link 777 0"),
-}
+@pytest.fixture
+def victim_paths():
+    """``make(backend, view)``: a file and a directory (each with a canary) at a path the
+    sandbox's agent sees, ``/tmp/hmt-victim-*`` (on this host for the local driver, in the
+    control plane's sandbox for Modal): ``(in-sandbox dir, {name: host path})``."""
+    made = []
+
+    def make(backend, view):
+        where = f"/tmp/hmt-victim-{uuid.uuid4().hex[:8]}"
+        top = view.host_path(backend, where)
+        (top / "dir").mkdir(parents=True)
+        (top / "dir" / "keep").write_text("victim canary\n")
+        (top / "file").write_text("victim file\n")
+        os.chmod(top / "dir", 0o751)
+        os.chmod(top / "file", 0o640)
+        made.append(top)
+        return where, {"dir": top / "dir", "file": top / "file"}
+
+    yield make
+    for top in made:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.mark.usefixtures("needs_root")
-@pytest.mark.parametrize("case", list(SNAPSHOT_CASES))
-async def test_snapshot_import_symlink_to_the_host_then_the_same_name(case, make_backend, host):
-    backend = await make_backend(slots_per_sandbox=2, max_sandboxes=1)
+async def test_snapshot_import_symlink_then_the_same_name_replaces_it(mode_backend,
+                                                                      victim_paths):
+    """A symlink to a file or directory the agent sees, then a regular file, a directory
+    (0777, another owner) or a hard link of the same name: the import replaces the link."""
+    backend = await mode_backend(slots_per_sandbox=2, max_sandboxes=1)
+    if backend.get_status()["pools"][backend.default_profile]["filesystem"] != "overlay":
+        pytest.skip("no layered root in this mode: no snapshots to import")
     meta = await snapshot_meta(backend)
-    target = host["write"] if case == "dir" else host["file"]
-    before = host_state(host)
-    after, shown = SNAPSHOT_CASES[case]
+    where, victim = victim_paths(backend, mode_backend.view)
+    before = host_state(victim)
     stream = snapshot_stream({**meta, "layers": 1}, [
-        member("L0/m0", DIR, mode=0o755), member("L0/m0/x", SYM, link=str(target)), *after,
+        member("L0/m0", DIR, mode=0o755),
+        member("L0/m0/x", SYM, link=f"{where}/file"),
+        member("L0/m0/x", data=b"pwned\n", mode=0o666, uid=1234, gid=1234),
+        member("L0/m0/y", SYM, link=f"{where}/dir"),
+        member("L0/m0/y", DIR, mode=0o777, uid=1234, gid=1234),
+        member("L0/m0/s", SYM, link=f"{where}/file"),
+        member("L0/m0/h", LNK, link="L0/m0/s"),  # a hard link to the symlink, not its target
         member("L0/m0/legit", data=b"legit\n")])
     snap = await backend.import_snapshot(stream)
     try:
-        assert host_state(host) == before  # content, mode, owner, link count, entries
-        # Positive control: the members are in the imported snapshot, as a fork shows.
+        assert host_state(victim) == before  # content, mode, owner, link count, entries
+        # Positive control: the members are in the imported snapshot, as a fork shows
+        # (1234 is unmapped in a slot: 65534).
         [slot] = await backend.fork(snap, 1)
-        r = await bash(backend, slot, "cat /legit; stat -c '%F %a %u' /x; readlink /h || true")
-        assert r.output.startswith(f"legit\n{shown}\n"), r.output
-        if case == "hard-link":
-            assert r.output.endswith(f"{target}\n"), r.output
+        r = await bash(backend, slot, "cat /legit /x; stat -c '%F %a %u' /x /y; readlink /h")
+        assert r.output == (f"legit\npwned\nregular file 666 65534\ndirectory 777 65534\n"
+                            f"{where}/file\n"), r.output
     finally:
         await backend.release_snapshot(snap)
 
