@@ -168,7 +168,14 @@ class Tree:
 
     # -- changing --------------------------------------------------------------------
     def lstat(self, dir_fd, name):
-        """``fstatat(AT_SYMLINK_NOFOLLOW)`` of ``name`` in ``dir_fd``, or None."""
+        """``fstatat(AT_SYMLINK_NOFOLLOW)`` of ``name`` in ``dir_fd``, or None.
+
+        Raises:
+            ValueError: ``name`` is not one name of the directory (empty, ``.``, ``..``
+                or with a ``/``): every change below goes through here first.
+        """
+        if name in ("", ".", "..") or "/" in name:
+            raise ValueError("%r is not a name of a directory entry" % (name,))
         try:
             return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -232,6 +239,7 @@ class Tree:
         when it is a symlink: never followed)."""
         if src_fd == dir_fd and src_name == name:
             return
+        self.lstat(src_fd, src_name)  # a name, not a path
         self.remove(dir_fd, name)
         os.link(src_name, name, src_dir_fd=src_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
 

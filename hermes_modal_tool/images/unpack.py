@@ -227,6 +227,8 @@ def apply_layer(root: str | Tree, tar: tarfile.TarFile, budget: Budget | None = 
             budget.entry(member.size if member.isreg() else 0)
         base = parts[-1]
         if base == OPAQUE or base.startswith(WHITEOUT):
+            if base != OPAQUE and base[len(WHITEOUT):] in ("", ".", ".."):
+                raise ValueError(f"whiteout {member.name!r} names no entry")
             try:
                 parent = tree.parent(parts[:-1])
             except (FileNotFoundError, NotADirectoryError):

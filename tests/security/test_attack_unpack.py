@@ -123,7 +123,10 @@ def test_image_names_absolute_dotdot_and_hard_links_out(host, tmp_path):
     for i, evil in enumerate((
             [member(escape, data=b"x")],
             [member("w", SYM, link=str(host["write"])), member("a/b", LNK, link="w/keep")],
-            [member("hl", LNK, link=escape.replace("escaped", "host/file.txt"))])):
+            [member("hl", LNK, link=escape.replace("escaped", "host/file.txt"))],
+            [member("w", SYM, link=str(host["whiteout"])), member("w/.wh..")],  # "w/."
+            [member("w", SYM, link=str(host["whiteout"])), member("w/.wh...")],  # "w/.."
+            [member(".wh...")])):  # the cache's directory around the root
         image = docker_archive(tmp_path / f"evil{i}.tar", [evil])
         with pytest.raises(ImageError):
             ImageCache(tmp_path / "cache").get(image)
