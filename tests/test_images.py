@@ -71,16 +71,19 @@ async def test_whiteouts_opaque_directories_and_replaced_directories(make_backen
 
 
 def test_own_unpacker_matches_umoci(images, tmp_path):
-    """umoci unpacks the layout; the builtin unpacker the archives (OCI and docker)."""
-    by_umoci = ImageCache(tmp_path / "a").get(images["two"])
+    """The builtin unpacker (every source) gives the tree ``umoci raw unpack`` gives."""
+    layout, tag = images["two"].removeprefix("oci:").rsplit(":", 1)
+    subprocess.run(["umoci", "raw", "unpack", "--image", f"{layout}:{tag}", str(tmp_path / "umoci")],
+                   check=True, capture_output=True)
+    by_layout = ImageCache(tmp_path / "a").get(images["two"])
     by_own = ImageCache(tmp_path / "b").get(images["two_archive"])
     docker = ImageCache(tmp_path / "c").get(images["two_docker"])
-    assert by_umoci.digest == by_own.digest != docker.digest  # docker: the config's digest
-    assert [e["unpacker"] for e in ImageCache(tmp_path / "a").list()] == ["umoci"]
-    assert [e["unpacker"] for e in ImageCache(tmp_path / "b").list()] == ["builtin"]
-    expected = tree(Path(by_umoci.rootfs))
+    assert by_layout.digest == by_own.digest != docker.digest  # docker: the config's digest
+    assert [e["unpacker"] for e in ImageCache(tmp_path / "a").list()] == ["builtin"]
+    expected = tree(tmp_path / "umoci")
     assert "opt/opq/new" in expected and "opt/opq/old" not in expected
     assert "opt/opq/deep/new2" in expected and "opt/opq/deep/old2" not in expected
+    assert tree(Path(by_layout.rootfs)) == expected
     assert tree(Path(by_own.rootfs)) == expected
     assert tree(Path(docker.rootfs)) == expected
     assert by_own.config["env"]["HMT_IMAGE_VAR"] == "from-image"

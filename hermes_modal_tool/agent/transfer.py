@@ -14,7 +14,10 @@ Both directions stream: the tar is written (or read) by a worker thread through 
 and the host moves it in chunks of at most :data:`CHUNK_BYTES`, one request per chunk.
 An import checks every member: relative names below its layer, no ``..``, nothing
 below a symbolic link it made, hard links to earlier members only, devices only as
-whiteouts.
+whiteouts; and writes each beneath a descriptor of its layer's directory
+(:mod:`.beneath`): no symlink is followed, a member whose name is taken replaces what
+was there (never writes through it), owners and modes are set on the file's own
+descriptor.
 """
 
 import base64
@@ -25,7 +28,7 @@ import os
 import stat
 import threading
 
-from . import trees
+from . import beneath, trees
 from .rootfs import _Layer
 from .snapshots import SnapshotError, store
 
@@ -37,12 +40,6 @@ FORMAT = 1
 LOCAL_XATTRS = ("trusted.overlay.origin", "trusted.overlay.impure", "trusted.overlay.uuid",
                 "trusted.overlay.nlink", "trusted.overlay.upper")
 _ids = itertools.count(1)
-
-
-def _trusted(tarfile):
-    """Members were checked here (names, links, devices): no further filter (Python >= 3.12
-    has them)."""
-    return {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
 class _Stream:
@@ -262,60 +259,137 @@ def _read_tar(agent, base, src):
     sizes = {}
     links = set()
     seen = set()
-    with tarfile.open(fileobj=src, mode="r|") as tar:
-        for member in tar:
-            if meta is None:
-                if member.name != META or not member.isreg() or member.size > 64 * 1024 * 1024:
-                    raise SnapshotError("not a snapshot stream: it must start with %s" % META)
-                meta = json.loads(tar.extractfile(member).read().decode())
-                if meta.get("format") != FORMAT:
-                    raise SnapshotError("snapshot format %r; this agent reads %d" % (meta.get("format"), FORMAT))
-                if list(meta.get("mounts") or []) != list(mounts):
-                    raise SnapshotError("the snapshot's layer roots %s differ from this sandbox's %s "
-                                        "(another image or profile?)" % (meta.get("mounts"), mounts))
-                if not isinstance(meta.get("layers"), int) or not 1 <= meta["layers"] <= 128:
-                    raise SnapshotError("bad layer count %r" % (meta.get("layers"),))
-                continue
-            parts = member.name.split("/")
-            if (len(parts) < 2 or member.name.startswith("/") or any(p in ("", ".", "..") for p in parts)
-                    or not parts[0].startswith("L") or not parts[1].startswith("m")):
-                raise SnapshotError("bad member name %r" % member.name)
+    trees_open = {}  # (layer, mount) -> Tree of that layer's upper directory
+
+    def upper(k, i):
+        path = os.path.join(base, "L%d" % k, "upper" if i == 0 else "layers/%d/upper" % i)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+    dirs = []  # (tree, parts, (dev, ino), member, xattrs): set last, children first
+    try:
+        with tarfile.open(fileobj=src, mode="r|") as tar:
+            for member in tar:
+                if meta is None:
+                    meta = _read_meta(tar, member, mounts)
+                    continue
+                k, i, parts = _check_member(member, meta, mounts, links, seen)
+                tree = trees_open.get((k, i))
+                if tree is None:
+                    tree = trees_open[(k, i)] = beneath.Tree(upper(k, i), in_root=False)
+                xattrs = [(n[len("HMT.xattr."):], base64.b64decode(v))
+                          for n, v in member.pax_headers.items() if n.startswith("HMT.xattr.")]
+                _write_member(tar, member, tree, parts, xattrs, trees_open, dirs)
+                if member.isreg():
+                    sizes[k] = sizes.get(k, 0) + member.size
+        for tree, parts, ident, member, xattrs in reversed(dirs):
+            fd = beneath.open_node(tree.parent(parts[:-1]), parts[-1], stat.S_IFDIR) if parts \
+                else os.dup(tree.fd)
             try:
-                k, i = int(parts[0][1:]), int(parts[1][1:])
-            except ValueError:
-                raise SnapshotError("bad member name %r" % member.name) from None
-            if not (0 <= k < meta["layers"] and 0 <= i < len(mounts)):
-                raise SnapshotError("member %r is outside the snapshot's layers" % member.name)
-            if any("/".join(parts[:j]) in links for j in range(1, len(parts))):
-                raise SnapshotError("member %r is below a symbolic link" % member.name)
-            if member.isdev() and not (member.ischr() and member.devmajor == 0 and member.devminor == 0):
-                raise SnapshotError("device %r is not a whiteout" % member.name)
-            if member.islnk() and member.linkname not in seen:
-                raise SnapshotError("hard link %r to %r, not an earlier member" % (member.name, member.linkname))
-            if member.issym():
-                links.add(member.name)
-            seen.add(member.name)
-            dest = os.path.join(base, "L%d" % k, "upper" if i == 0 else "layers/%d/upper" % i,
-                                *parts[2:])
-            if len(parts) == 2:
-                os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
-            xattrs = {n[len("HMT.xattr."):]: v for n, v in member.pax_headers.items()
-                      if n.startswith("HMT.xattr.")}
-            if member.islnk():
-                lk = member.linkname.split("/")
-                target = os.path.join(base, lk[0], "upper" if lk[1] == "m0" else "layers/%s/upper" % lk[1][1:],
-                                      *lk[2:])
-                os.link(target, dest)
-                continue
-            member.name = os.path.relpath(dest, base)
-            tar.extract(member, base, set_attrs=True, numeric_owner=True, **_trusted(tarfile))
-            for name, value in xattrs.items():
-                os.setxattr(dest, name, base64.b64decode(value), follow_symlinks=False)
-            if member.isreg():
-                sizes[k] = sizes.get(k, 0) + member.size
-            if member.isdir() and len(parts) == 2:
-                os.chmod(dest, stat.S_IMODE(member.mode))
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == ident:
+                    beneath.set_meta(fd, member.uid, member.gid, stat.S_IMODE(member.mode),
+                                     member.mtime, xattrs)
+            finally:
+                os.close(fd)
+    finally:
+        for tree in trees_open.values():
+            tree.close()
     if meta is None:
         raise SnapshotError("empty snapshot stream")
+    for k in range(meta["layers"]):  # every layer has every mount's upper, if empty
+        for i in range(len(mounts)):
+            upper(k, i)
     return meta, [sizes.get(k, 0) for k in range(meta["layers"])]
 
+
+def _read_meta(tar, member, mounts):
+    if member.name != META or not member.isreg() or member.size > 64 * 1024 * 1024:
+        raise SnapshotError("not a snapshot stream: it must start with %s" % META)
+    meta = json.loads(tar.extractfile(member).read().decode())
+    if meta.get("format") != FORMAT:
+        raise SnapshotError("snapshot format %r; this agent reads %d" % (meta.get("format"), FORMAT))
+    if list(meta.get("mounts") or []) != list(mounts):
+        raise SnapshotError("the snapshot's layer roots %s differ from this sandbox's %s "
+                            "(another image or profile?)" % (meta.get("mounts"), mounts))
+    if not isinstance(meta.get("layers"), int) or not 1 <= meta["layers"] <= 128:
+        raise SnapshotError("bad layer count %r" % (meta.get("layers"),))
+    return meta
+
+
+def _check_member(member, meta, mounts, links, seen):
+    """``(layer, mount, path parts below the mount)`` of a member, after the checks of the
+    module doc."""
+    parts = member.name.split("/")
+    if (len(parts) < 2 or member.name.startswith("/") or any(p in ("", ".", "..") for p in parts)
+            or not parts[0].startswith("L") or not parts[1].startswith("m")):
+        raise SnapshotError("bad member name %r" % member.name)
+    try:
+        k, i = int(parts[0][1:]), int(parts[1][1:])
+    except ValueError:
+        raise SnapshotError("bad member name %r" % member.name) from None
+    if not (0 <= k < meta["layers"] and 0 <= i < len(mounts)):
+        raise SnapshotError("member %r is outside the snapshot's layers" % member.name)
+    if any("/".join(parts[:j]) in links for j in range(1, len(parts))):
+        raise SnapshotError("member %r is below a symbolic link" % member.name)
+    if member.isdev() and not (member.ischr() and member.devmajor == 0 and member.devminor == 0):
+        raise SnapshotError("device %r is not a whiteout" % member.name)
+    if member.islnk() and member.linkname not in seen:
+        raise SnapshotError("hard link %r to %r, not an earlier member" % (member.name, member.linkname))
+    if member.issym():
+        links.add(member.name)
+    seen.add(member.name)
+    return k, i, parts[2:]
+
+
+def _write_member(tar, member, tree, parts, xattrs, trees_open, dirs):
+    """Make one member beneath its layer's ``tree`` (see :mod:`.beneath`): a duplicate
+    name replaces what was there, nothing is followed."""
+    if not parts:  # the layer root itself
+        if not member.isdir():
+            raise SnapshotError("layer root %r is not a directory" % member.name)
+        st = os.fstat(tree.fd)
+        dirs.append((tree, parts, (st.st_dev, st.st_ino), member, xattrs))
+        return
+    parent = tree.parent(parts[:-1], create=True)
+    name = parts[-1]
+    if member.isdir():
+        tree.make_dir(parent, name)
+        st = tree.lstat(parent, name)
+        dirs.append((tree, parts, (st.st_dev, st.st_ino), member, xattrs))
+        return
+    if member.islnk():
+        lk = member.linkname.split("/")
+        src_tree = trees_open.get((int(lk[0][1:]), int(lk[1][1:])))
+        if src_tree is None or len(lk) < 3:
+            raise SnapshotError("hard link %r to %r, not a file" % (member.name, member.linkname))
+        src = os.dup(src_tree.parent(lk[2:-1]))
+        try:
+            tree.make_link(tree.parent(parts[:-1], create=True), name, src, lk[-1])
+        finally:
+            os.close(src)
+        return
+    if member.isreg():
+        reader = tar.extractfile(member)
+        fd = tree.make_file(parent, name, iter(lambda: reader.read(1 << 20), b""))
+        try:
+            beneath.set_meta(fd, member.uid, member.gid, stat.S_IMODE(member.mode), member.mtime, xattrs)
+        finally:
+            os.close(fd)
+        return
+    if member.issym():
+        tree.make_symlink(parent, name, member.linkname)
+        kind = stat.S_IFLNK
+    elif member.isfifo():
+        tree.make_node(parent, name, stat.S_IFIFO)
+        kind = stat.S_IFIFO
+    elif member.ischr():  # a whiteout (0/0: checked)
+        tree.make_node(parent, name, stat.S_IFCHR, os.makedev(0, 0))
+        kind = stat.S_IFCHR
+    else:
+        raise SnapshotError("member %r of an unknown type" % member.name)
+    fd = beneath.open_node(parent, name, kind)
+    try:
+        beneath.set_meta(fd, member.uid, member.gid, stat.S_IMODE(member.mode), member.mtime, xattrs,
+                         path_fd=True)
+    finally:
+        os.close(fd)

@@ -12,6 +12,11 @@ Layout of the cache directory (``HERMES_MODAL_TOOL_IMAGE_CACHE``, else
 
 Nothing half-unpacked is ever used: an entry appears (by ``rename``) only once its rootfs
 and ``image.json`` are complete.
+
+The cache directory is this process's user's and mode 0700 (checked and set on every
+use): an image's files are reached by slots only through their idmapped mounts, never
+by the host's users through the path (a set-user-ID file of an image must not be
+runnable by them; the unpacker clears those bits too, see :mod:`.unpack`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 import logging
 import os
 import shutil
-import subprocess
+import stat
 import tempfile
 import threading
 import time
@@ -34,6 +39,7 @@ from filelock import FileLock, Timeout
 
 from ..errors import ImageError
 from . import pull as pulling
+from .limits import ImageLimits
 from .sources import ImageSource, Source, image_config, open_docker_archive, open_oci, parse_source
 from .unpack import unpack_layers
 
@@ -90,13 +96,18 @@ class ImageCache:
     """The machine's unpacked images (see the module doc for the layout).
 
     Args:
-        directory: the cache directory (default :func:`default_cache_dir`).
+        directory: the cache directory (default :func:`default_cache_dir`); made mode 0700
+            and must belong to this process's user.
+        limits: bounds on each image unpacked (default: :meth:`ImageLimits.from_env`,
+            read when an image is unpacked).
 
     Thread-safe and safe across processes: a file lock per digest.
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None = None,
+                 limits: ImageLimits | None = None) -> None:
         self.dir = Path(directory) if directory is not None else default_cache_dir()
+        self.limits = limits
 
     @property
     def counters(self) -> dict[str, int]:
@@ -113,9 +124,28 @@ class ImageCache:
             c[what] += 1
 
     def _dirs(self) -> None:
+        """Make the cache's directories, root-only (see the module doc).
+
+        Raises:
+            ImageError: the cache directory belongs to another user, or is not a directory.
+        """
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        st = os.stat(self.dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise ImageError(
+                f"image cache {self.dir} ({ENV_DIR}) is not a directory of this process's "
+                f"user (uid {os.geteuid()}; it belongs to uid {st.st_uid}): an image's files "
+                "must be reachable by this user only; choose another directory")
+        # Slots reach a rootfs through their idmapped mounts only: no host user may reach
+        # the path (an image's files keep their owners).
+        os.chmod(self.dir, 0o700)
         for sub in ("images", "locks", "tmp"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o755)  # slots' uids reach rootfs through their idmapped mount only
+            (self.dir / sub).mkdir(mode=0o700, exist_ok=True)
+            os.chmod(self.dir / sub, 0o700)
 
     def _entry(self, digest: str) -> UnpackedImage | None:
         meta = self.dir / "images" / _key(digest) / "image.json"
@@ -201,36 +231,25 @@ class ImageCache:
         tmp = tempfile.mkdtemp(dir=self.dir / "tmp", prefix=key + ".")
         try:
             rootfs = os.path.join(tmp, "rootfs")
-            umoci = shutil.which("umoci")
-            unpacker = "builtin"
-            if umoci and source.kind == "oci" and source.tag:
-                say(f"image {image}: unpacking {len(opened.layers)} layers with umoci")
-                proc = subprocess.run([umoci, "raw", "unpack", "--image",
-                                       f"{source.path}:{source.tag}", rootfs],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT)
-                if proc.returncode != 0:
-                    text = proc.stdout.decode("utf-8", "replace").strip()
-                    raise ImageError(f"image {image!r}: umoci could not unpack it: "
-                                     f"{text[-400:]}")
-                unpacker = "umoci"
-            else:
-                os.mkdir(rootfs, 0o755)
+            os.mkdir(rootfs, 0o755)
 
-                def layer_line(i: int, n: int, layer: Any) -> None:
-                    size = f", {layer.size / 1e6:.1f} MB" if layer.size else ""
-                    say(f"image {image}: layer {i}/{n} {layer.digest[:19]}{size}", step=(i - 1, n))
+            def layer_line(i: int, n: int, layer: Any) -> None:
+                size = f", {layer.size / 1e6:.1f} MB" if layer.size else ""
+                say(f"image {image}: layer {i}/{n} {layer.digest[:19]}{size}", step=(i - 1, n))
 
-                unpack_layers(opened, rootfs, layer_line)
+            done = unpack_layers(opened, rootfs, layer_line, self.limits)
+            if done.devices:
+                say(f"image {image}: {done.devices} device node(s) skipped (devices from an "
+                    f"image are never made on the host): {', '.join(done.device_names)}")
             os.chmod(rootfs, 0o755)
             size = _tree_bytes(rootfs)
             meta = {"image": image, "source": source.image, "digest": opened.digest,
                     "config": image_config(opened.config), "size_bytes": size,
-                    "unpacker": unpacker, "unpacked_at": time.time(),
+                    "unpacker": "builtin", "unpacked_at": time.time(), "left_out": done.notes(),
                     "layers": [layer.digest for layer in opened.layers]}
             with open(os.path.join(tmp, "image.json"), "w") as fh:
                 json.dump(meta, fh, indent=1)
-            os.chmod(tmp, 0o755)
+            os.chmod(tmp, 0o700)
             os.rename(tmp, self.dir / "images" / key)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

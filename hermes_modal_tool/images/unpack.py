@@ -7,13 +7,23 @@ Each layer is a tar (plain, gzip or zstd), applied in order over the layers belo
 - ``DIR/.wh.NAME`` (a *whiteout*) deletes ``DIR/NAME`` of the layers below;
 - ``DIR/.wh..wh..opq`` (an *opaque* directory) deletes every entry of ``DIR`` from the
   layers below (entries this layer adds to ``DIR`` stay, in whatever order they come);
-- hard links point at a path of the image; no path ever leads out of the root: every
-  parent is resolved inside it (a symlink ``/etc -> /host`` in a layer is followed as
-  ``ROOT/host``), and names with ``..`` are refused.
+- hard links point at a path of the image.
 
-Ownership, modes, times, extended attributes (``SCHILY.xattr.*``) and device nodes are
-kept when running as root (as the local driver does); otherwise ownership and devices
-are skipped. Each layer's blob is hashed while it is read and compared with its digest.
+No name of a layer is ever resolved through the host's file system: every entry is made
+relative to a descriptor of the root (:class:`..agent.beneath.Tree`): parents with
+``openat2(RESOLVE_IN_ROOT)`` (a symlink ``/etc -> /host`` in a layer is followed as
+``ROOT/host``), the last component never followed (a duplicate name replaces what was
+there, whiteouts and opaque markers delete only inside the root); names with ``..`` are
+refused.
+
+Ownership, modes, times and extended attributes (``SCHILY.xattr.*``) are kept when
+running as root (as the local driver does); otherwise ownership is skipped. What would
+carry a privilege onto the host is not kept (see SECURITY.md, "Images and archives"):
+device nodes are skipped (counted in the result), set-user-ID and set-group-ID bits are
+cleared on files and ``security.capability`` is dropped (a slot has a single uid, its
+root, so inside it they could grant nothing). Each layer's blob is hashed while it is
+read and compared with its digest; :class:`.limits.Budget` bounds the bytes, entries and
+layers while unpacking.
 """
 
 from __future__ import annotations
@@ -21,12 +31,14 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
 import stat
 import tarfile
 from collections.abc import Callable
+from typing import Any
 
+from ..agent.beneath import Tree, open_node, set_meta
 from ..errors import ImageError
+from .limits import Budget, ImageLimits
 from .sources import ImageSource, Layer, _Hashing
 
 log = logging.getLogger("hermes_modal_tool")
@@ -34,6 +46,8 @@ log = logging.getLogger("hermes_modal_tool")
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 _ROOT = os.geteuid() == 0
+#: Extended attributes never kept: file capabilities would be a privilege on the host.
+DROPPED_XATTRS = ("security.capability",)
 
 
 def _decompressed(fh, media_type: str):
@@ -113,129 +127,223 @@ def resolve_in_root(root: str, parts: list[str], follow_last: bool = False) -> s
     return os.path.join(root, *done)
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.unlink(path)
+
+class Unpacked:
+    """What :func:`unpack_layers` did: ``entries``, apparent ``bytes``, and what it left
+    out: ``devices`` (device nodes skipped; ``device_names`` the first ten), ``setid``
+    (files whose set-user/group-ID bits were cleared), ``capabilities`` (files whose
+    ``security.capability`` was dropped)."""
+
+    def __init__(self) -> None:
+        self.devices = 0
+        self.device_names: list[str] = []
+        self.setid = 0
+        self.capabilities = 0
+
+    def notes(self) -> dict[str, Any]:
+        return {"devices_skipped": self.devices, "device_names": self.device_names,
+                "setid_cleared": self.setid, "capabilities_dropped": self.capabilities}
 
 
-def _apply_meta(path: str, member: tarfile.TarInfo) -> None:
-    if _ROOT:
-        os.lchown(path, member.uid, member.gid)
+def _xattrs(member: tarfile.TarInfo, done: Unpacked) -> list[tuple[str, bytes]]:
+    out = []
     for key, value in (member.pax_headers or {}).items():
         if key.startswith("SCHILY.xattr."):
-            try:
-                os.setxattr(path, key[len("SCHILY.xattr."):],
-                            value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
-            except OSError:
-                pass  # a file system without that namespace
-    if not member.issym():
-        os.chmod(path, member.mode & 0o7777)
-    os.utime(path, (member.mtime, member.mtime), follow_symlinks=False)
+            name = key[len("SCHILY.xattr."):]
+            if name in DROPPED_XATTRS:
+                done.capabilities += 1
+                continue
+            out.append((name, value.encode("utf-8", "surrogateescape")))
+    return out
 
 
-def apply_layer(root: str, tar: tarfile.TarFile) -> int:
-    """Apply one layer (an open tar stream) to ``root``; returns the entries applied.
+def _mode(member: tarfile.TarInfo, done: Unpacked) -> int:
+    mode = member.mode & 0o7777
+    if not member.isdir() and mode & (stat.S_ISUID | stat.S_ISGID):
+        done.setid += 1
+        mode &= ~(stat.S_ISUID | stat.S_ISGID)
+    return mode
+
+
+def _meta(fd: int, member: tarfile.TarInfo, done: Unpacked, path_fd: bool = False) -> None:
+    set_meta(fd, uid=member.uid if _ROOT else None, gid=member.gid,
+             mode=_mode(member, done), mtime=member.mtime, xattrs=_xattrs(member, done),
+             path_fd=path_fd, xattr_errors=False)
+
+
+def _chunks(src: Any):
+    while src is not None:
+        data = src.read(1 << 20)
+        if not data:
+            return
+        yield data
+
+
+def apply_layer(root: str | Tree, tar: tarfile.TarFile, budget: Budget | None = None,
+                done: Unpacked | None = None) -> int:
+    """Apply one layer (an open tar stream) to ``root`` (a path, or a :class:`Tree`);
+    returns the entries applied. ``budget`` is charged for every entry before it is
+    written; ``done`` collects what was left out.
 
     Raises:
-        ValueError: an entry that would leave the root.
+        ValueError: an entry with ``..`` in its name.
+        ImageError: the budget is spent.
+        OSError: an entry could not be made (a parent that is not a directory ...).
     """
-    added: set[str] = set()  # paths this layer made (an opaque marker keeps them)
-    merged: set[str] = set()  # directories of this layer that a lower layer had too
+    if not isinstance(root, Tree):
+        with Tree(root, in_root=True) as t:
+            return apply_layer(t, tar, budget, done)
+    tree = root
+    done = done if done is not None else Unpacked()
+    added: set[tuple[int, int, str]] = set()  # (dev, ino of the parent, name) this layer made
+    merged: set[tuple[int, int]] = set()  # directories of this layer a lower layer had too
 
-    def clear_lower(directory: str) -> None:
-        """Remove what the lower layers put in ``directory`` (an opaque marker), however
-        deep: a directory this layer merged with a lower one keeps only this layer's."""
-        for name in os.listdir(directory):
-            full = os.path.join(directory, name)
-            if full not in added:
-                _remove(full)
-            elif full in merged:
-                clear_lower(full)
+    def clear_lower(dir_fd: int) -> None:
+        """Remove what the lower layers put in the directory ``dir_fd`` (an opaque marker),
+        however deep: a directory this layer merged with a lower one keeps only this
+        layer's."""
+        st = os.fstat(dir_fd)
+        for name in os.listdir(dir_fd):
+            if (st.st_dev, st.st_ino, name) not in added:
+                tree.remove(dir_fd, name)
+                continue
+            child = tree.lstat(dir_fd, name)
+            if child is not None and stat.S_ISDIR(child.st_mode) \
+                    and (child.st_dev, child.st_ino) in merged:
+                fd = open_node(dir_fd, name, stat.S_IFDIR)
+                try:
+                    clear_lower(fd)
+                finally:
+                    os.close(fd)
 
-    dir_times: list[tuple[str, tarfile.TarInfo]] = []
+    dirs: list[tuple[list[str], tuple[int, int], tarfile.TarInfo]] = []
     count = 0
     for member in tar:
         parts = _parts(member.name)
         if not parts:
             continue
         count += 1
+        if budget is not None:
+            budget.entry(member.size if member.isreg() else 0)
         base = parts[-1]
-        parent = resolve_in_root(root, parts[:-1])
-        if base == OPAQUE:
-            if os.path.isdir(parent):
+        if base == OPAQUE or base.startswith(WHITEOUT):
+            if base != OPAQUE and base[len(WHITEOUT):] in ("", ".", ".."):
+                raise ValueError(f"whiteout {member.name!r} names no entry")
+            try:
+                parent = tree.parent(parts[:-1])
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # nothing below to delete
+            if base == OPAQUE:
                 clear_lower(parent)
-            continue
-        if base.startswith(WHITEOUT):
-            _remove(os.path.join(parent, base[len(WHITEOUT):]))
-            continue
-        os.makedirs(parent, exist_ok=True)
-        path = os.path.join(parent, base)
-        added.add(path)
-        if member.isdir():
-            if os.path.isdir(path) and not os.path.islink(path):
-                merged.add(path)
             else:
-                _remove(path)
-                os.mkdir(path, 0o700)
-            dir_times.append((path, member))
+                tree.remove(parent, base[len(WHITEOUT):])
+            tree.forget()
             continue
-        _remove(path)
+        parent = tree.parent(parts[:-1], create=True)
+        pst = os.fstat(parent)
+        added.add((pst.st_dev, pst.st_ino, base))
+        if member.isdir():
+            had = tree.make_dir(parent, base)
+            st = tree.lstat(parent, base)
+            if had:
+                merged.add((st.st_dev, st.st_ino))
+            dirs.append((parts, (st.st_dev, st.st_ino), member))
+            continue
         if member.isreg():
-            with open(path, "wb") as out:
-                src = tar.extractfile(member)
-                if src is not None:
-                    shutil.copyfileobj(src, out, 1 << 20)
-        elif member.issym():
-            os.symlink(member.linkname, path)
-        elif member.islnk():
-            target = resolve_in_root(root, _parts(member.linkname))
-            os.link(target, path)
+            fd = tree.make_file(parent, base, _chunks(tar.extractfile(member)))
+            try:
+                _meta(fd, member, done)
+            finally:
+                os.close(fd)
+            continue
+        if member.islnk():
+            target = _parts(member.linkname)
+            if not target:
+                raise ValueError(f"hard link {member.name!r} to the image's root")
+            src = os.dup(tree.parent(target[:-1]))
+            try:
+                parent = tree.parent(parts[:-1], create=True)
+                tree.make_link(parent, base, src, target[-1])
+            finally:
+                os.close(src)
             continue  # the link shares the target's metadata
+        if member.issym():
+            tree.make_symlink(parent, base, member.linkname)
+            kind = stat.S_IFLNK
         elif member.isfifo():
-            os.mkfifo(path)
+            tree.make_node(parent, base, stat.S_IFIFO)
+            kind = stat.S_IFIFO
         elif member.ischr() or member.isblk():
-            if not _ROOT:
-                continue
-            kind = stat.S_IFCHR if member.ischr() else stat.S_IFBLK
-            os.mknod(path, kind | 0o600, os.makedev(member.devmajor, member.devminor))
+            done.devices += 1
+            if len(done.device_names) < 10:
+                done.device_names.append("/" + "/".join(parts))
+            tree.remove(parent, base)  # the lower layers' entry is replaced all the same
+            continue
         else:
             continue
-        _apply_meta(path, member)
-    for path, member in reversed(dir_times):  # children first: their writes moved the times
-        _apply_meta(path, member)
+        fd = open_node(parent, base, kind)
+        try:
+            _meta(fd, member, done, path_fd=True)
+        finally:
+            os.close(fd)
+    for parts, ident, member in reversed(dirs):  # children first: their writes moved the times
+        try:
+            parent = tree.parent(parts[:-1])
+            fd = open_node(parent, parts[-1], stat.S_IFDIR)
+        except OSError:
+            continue  # replaced by a later entry
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == ident:
+                _meta(fd, member, done)
+        finally:
+            os.close(fd)
+    tree.forget()
     return count
 
 
 def unpack_layers(image: ImageSource, root: str,
-                  progress: Callable[[int, int, Layer], None] | None = None) -> None:
-    """Apply every layer of ``image`` to the empty directory ``root``.
+                  progress: Callable[[int, int, Layer], None] | None = None,
+                  limits: ImageLimits | None = None) -> Unpacked:
+    """Apply every layer of ``image`` to the empty directory ``root``, within ``limits``
+    (default: :meth:`ImageLimits.from_env`).
 
     ``progress(i, n, layer)`` is called before layer ``i`` (1-based) of ``n``.
 
+    Returns:
+        What was left out (device nodes, set-id bits, file capabilities).
+
     Raises:
-        ImageError: a layer is missing, not a tar, does not match its digest, or has an
-            entry that would leave the root.
+        ImageError: a layer is missing, not a tar, does not match its digest, has an
+            entry that would leave the root, or the image passes a limit (named).
     """
+    budget = Budget(image.source.image, limits if limits is not None else ImageLimits.from_env())
     n = len(image.layers)
-    for i, layer in enumerate(image.layers, 1):
-        if progress is not None:
-            progress(i, n, layer)
-        what = f"image {image.source.image!r}: layer {i}/{n} ({layer.digest})"
-        try:
-            fh = layer.open()
-            plain = _Hashing(_decompressed(fh, layer.media_type))
-            with tarfile.open(fileobj=plain, mode="r|") as tar:
-                apply_layer(root, tar)
-            got_plain = plain.drain()
-            got = fh.drain()
-        except ImageError as exc:
-            raise ImageError(f"{what}: {exc}") from exc
-        except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
-            raise ImageError(f"{what} could not be unpacked: {exc}") from exc
-        if layer.verify and got != layer.digest:
-            raise ImageError(f"{what} is corrupt: its content hashes to {got}")
-        if layer.diff_id and got_plain != layer.diff_id:
-            raise ImageError(f"{what} is corrupt: its tar hashes to {got_plain}, the image "
-                             f"config says {layer.diff_id}")
+    budget.layers(n)
+    done = Unpacked()
+    with Tree(root, in_root=True) as tree:
+        for i, layer in enumerate(image.layers, 1):
+            if progress is not None:
+                progress(i, n, layer)
+            what = f"image {image.source.image!r}: layer {i}/{n} ({layer.digest})"
+            try:
+                fh = layer.open()
+                plain = _Hashing(_decompressed(fh, layer.media_type))
+                with tarfile.open(fileobj=plain, mode="r|") as tar:
+                    apply_layer(tree, tar, budget, done)
+                got_plain = plain.drain()
+                got = fh.drain()
+            except ImageError as exc:
+                raise ImageError(f"{what}: {exc}") from exc
+            except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+                raise ImageError(f"{what} could not be unpacked: {exc}") from exc
+            if layer.verify and got != layer.digest:
+                raise ImageError(f"{what} is corrupt: its content hashes to {got}")
+            if layer.diff_id and got_plain != layer.diff_id:
+                raise ImageError(f"{what} is corrupt: its tar hashes to {got_plain}, the image "
+                                 f"config says {layer.diff_id}")
+    if done.devices:
+        log.warning("image %r: %d device node(s) skipped (%s): devices from an image are "
+                    "never made on the host", image.source.image, done.devices,
+                    ", ".join(done.device_names))
+    return done
