@@ -37,6 +37,14 @@ if [ "$level" = dev ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&
     apt-get update -q >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null
   fi
+  # The host matrix (tests/hosts/run.py) boots Debian's kernel in qemu; the kernel package
+  # itself is downloaded (apt-get download) into its cache, not installed.
+  if ! command -v qemu-system-x86_64 >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
+    echo "setup: installing qemu-system-x86 (apt-get, for the host matrix)" >&2
+    [ -n "$missing" ] || apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      qemu-system-x86 >/dev/null
+  fi
 fi
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then

@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 
 import pytest
-from support import bash, layered
+from support import bash, layered, slot_host_uid
 
 from hermes_modal_tool import ExecutionResult
 
@@ -113,12 +113,13 @@ async def test_file_tools_see_only_the_slots_own_view(backend, two_slots):
 
 async def test_slots_run_as_different_users(backend, two_slots):
     a, b = two_slots
-    # Root inside each slot, mapped to a different unprivileged uid outside.
-    cmd = "id -u; cat /proc/self/uid_map"
-    ra, rb = await backend.execute_batch([(a, "bash", {"command": cmd}), (b, "bash", {"command": cmd})])
-    (ida, _, outa, _), (idb, _, outb, _) = ra.output.split(), rb.output.split()
-    assert ida == idb == "0"
-    assert outa != outb and "0" not in (outa, outb)
+    # Root inside each slot, mapped to a different unprivileged uid outside (as the host
+    # sees the slots' processes: their /proc/self/uid_map names the parent namespace's).
+    ra, rb = await backend.execute_batch([(a, "bash", {"command": "id -u"}),
+                                          (b, "bash", {"command": "id -u"})])
+    assert ra.output == rb.output == "0\n"
+    uida, uidb = await slot_host_uid(backend, a), await slot_host_uid(backend, b)
+    assert uida != uidb and 0 not in (uida, uidb)
 
 
 async def test_slots_have_private_tmp(backend, two_slots):

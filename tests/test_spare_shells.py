@@ -13,7 +13,7 @@ import asyncio
 import os
 
 import pytest
-from support import bash, layered
+from support import bash, layered, slot_host_uid
 
 pytestmark = pytest.mark.usefixtures("needs_root")
 
@@ -54,10 +54,8 @@ async def wait_for_shell(uid: int, not_in: set[int] = frozenset(), limit_s: floa
 
 
 async def host_uid(backend, slot) -> int:
-    """The host uid a slot runs as (its uid 0 inside maps to it)."""
-    result = await bash(backend, slot, "read -r _ uid _ </proc/self/uid_map; echo $uid")
-    assert result.success, result
-    return int(result.output)
+    """The host uid a slot runs as (its uid 0 inside maps to it), read on the host."""
+    return await slot_host_uid(backend, slot)
 
 
 FIRST_LOOK = ('echo "home=$HOME pwd=$PWD uid=$(id -u) x=${SPARE_X-unset}"; '

@@ -26,6 +26,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.sysvipc", "agent/sysvipc.py"),
     ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
     ("hermes_modal_tool.agent.mounts", "agent/mounts.py"),
+    ("hermes_modal_tool.agent.cgroupv2", "agent/cgroupv2.py"),
     ("hermes_modal_tool.agent.cgroups", "agent/cgroups.py"),
     ("hermes_modal_tool.agent.procs", "agent/procs.py"),
     ("hermes_modal_tool.agent.owned", "agent/owned.py"),

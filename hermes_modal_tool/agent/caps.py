@@ -15,9 +15,10 @@ def tmpfs_mb_for(limits):
 
 
 def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolation="bwrap",
-                shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note=""):
-    """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ...}``, each with the cap (MiB
-    or a count) and ``enforced``: how, or ``"none"`` with the reason.
+                shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note="",
+                cpu_controller=None):
+    """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ..., "cpu": ...}``, each with
+    the cap (MiB, a count, cores) and ``enforced``: how, or ``"none"`` with the reason.
 
     Args:
         limits: the profile's limits (``slot_memory_mb``, ``memory_mb``, ``pids``).
@@ -30,11 +31,16 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
         tmpfs_note: why ``shared_tmpfs`` could not be had, if it was wanted.
         shm: without bubblewrap, the memory-backed shared places' watch
             (:meth:`.shmwatch.ShmWatch.caps`), or None and ``shm_note`` says why.
+        cpu_controller: with cgroups, whether the cpu controller is there (a delegated
+            cgroup v2 may lack it); None: it is.
     """
     cgroup = limit_mode.startswith("cgroup")
+    v2 = limit_mode == "cgroup-v2"
     mem = limits.get("slot_memory_mb")
     memory = {"mib": mem, "sandbox_mib": limits.get("memory_mb"),
-              "enforced": ("cgroup memory.max per slot and per sandbox" if cgroup else
+              "enforced": ("cgroup v2 memory.max per slot (swap 0; an OOM kill takes the "
+                           "slot's whole cgroup: memory.oom.group) and per sandbox" if v2 else
+                           "cgroup memory.max per slot and per sandbox" if cgroup else
                            "RLIMIT_AS per process (address space, not a slot total)")}
     if isolation != "bwrap":
         tmpfs = dict(shm) if shm else {"mib": None, "places": [], "enforced": (
@@ -79,4 +85,10 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
                 "note": "no layered root: the limit is not applied"}
     pids = {"count": limits.get("pids"),
             "enforced": "cgroup pids.max" if cgroup else "RLIMIT_NPROC (per uid)"}
-    return {"memory": memory, "tmpfs": tmpfs, "disk": disk, "pids": pids}
+    cpu_on = cpu_controller if cpu_controller is not None else cgroup
+    cpu = {"cores": limits.get("cpu"), "enforced": (
+        ("cgroup v2 cpu.max per sandbox, cpu.weight per slot (equal shares)" if v2 else
+         "cgroup cpu quota per sandbox, cpu.shares per slot (equal shares)") if cpu_on else
+        "none: " + ("no cpu controller in the delegated cgroup" if cgroup
+                    else "no cgroups (the admission limit follows the cores)"))}
+    return {"memory": memory, "tmpfs": tmpfs, "disk": disk, "pids": pids, "cpu": cpu}

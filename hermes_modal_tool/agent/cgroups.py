@@ -2,6 +2,13 @@
 kill switch for everything a slot started. Falls back to rlimits (``mode == "rlimit"``)
 where the machine refuses.
 
+Per slot, cgroup v1: ``memory.limit_in_bytes``, ``pids.max`` (and the sandbox's CPU
+quota above). cgroup v2 (where the tree goes: :mod:`.cgroupv2`): ``memory.max`` with
+``memory.swap.max`` 0 and ``memory.oom.group`` 1 (an OOM kill takes the whole slot),
+``pids.max``, ``cpu.weight`` (equal shares) and ``cpu.max`` where the limits have a
+``slot_cpu``; the sandbox's ``memory.max``, ``pids.max`` and ``cpu.max`` on the ``slots``
+cgroup above them; the kill through ``cgroup.kill``.
+
 Stdlib-only, Python 3.8.
 """
 
@@ -9,6 +16,7 @@ import errno
 import os
 import signal
 
+from . import cgroupv2
 from .isolation import _kill
 from .mounts import write_control
 
@@ -16,7 +24,9 @@ from .mounts import write_control
 class Cgroups:
     """Per-sandbox and per-slot cgroups (v1 or v2), or None when the machine refuses.
 
-    ``mode`` is ``"cgroup-v2"``, ``"cgroup-v1"`` or ``"rlimit"`` (the fallback).
+    ``mode`` is ``"cgroup-v2"``, ``"cgroup-v1"`` or ``"rlimit"`` (the fallback);
+    ``reason`` says why the fallback, or with cgroup v2 where the tree is
+    (:mod:`.cgroupv2`: a delegated cgroup, or under the hierarchy's root as root).
     """
 
     CONTROLLERS = ("memory", "pids", "cpu")
@@ -28,6 +38,7 @@ class Cgroups:
         self.reason = ""
         self._bases = {}  # controller -> sandbox cgroup dir
         self._made = set()  # slots whose cgroups exist with their limits
+        self.placement = None  # cgroup v2: where its tree is (cgroupv2.Placement)
         try:
             self._setup()
         except OSError as exc:
@@ -40,18 +51,10 @@ class Cgroups:
     def _setup(self):
         mounts = _cgroup_mounts()
         if "cgroup2" in mounts and not mounts.get("v1"):
-            root = mounts["cgroup2"]
-            own = _own_cgroup_path(v2=True)
-            parent = os.path.join(root, own.lstrip("/"), "hermes-modal-tool")
-            _mkdir(parent)
-            _write(os.path.join(os.path.dirname(parent), "cgroup.subtree_control"),
-                   "+memory +pids +cpu", ignore=(errno.EBUSY, errno.ENOENT))
-            _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids +cpu")
-            base = os.path.join(parent, self.name)
-            _mkdir(base)
-            _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids +cpu")
-            self._bases = {"unified": base}
+            self.placement = cgroupv2.place(mounts["cgroup2"], self.name)
+            self._bases = {"unified": self.placement.slots}
             self.mode = "cgroup-v2"
+            self.reason = self.placement.how
         else:
             v1 = mounts.get("v1", {})
             for ctrl in self.CONTROLLERS:
@@ -75,12 +78,18 @@ class Cgroups:
         cpu = lim.get("cpu") if sandbox else None
         if self.mode == "cgroup-v2":
             d = dirs["unified"]
+            has_cpu = "cpu" in self.placement.controllers
             if mem:
                 _write(os.path.join(d, "memory.max"), str(int(mem) * 1024 * 1024))
                 _write(os.path.join(d, "memory.swap.max"), "0", ignore=(errno.ENOENT,))
+            if not sandbox:  # an OOM kill takes the slot's whole cgroup, never half of it
+                _write(os.path.join(d, "memory.oom.group"), "1", ignore=(errno.ENOENT,))
             if pids:
                 _write(os.path.join(d, "pids.max"), str(int(pids)))
-            if cpu:
+            if has_cpu and not sandbox:  # equal shares of the sandbox's CPU between slots
+                _write(os.path.join(d, "cpu.weight"), "100")
+                cpu = lim.get("slot_cpu")
+            if has_cpu and cpu:
                 _write(os.path.join(d, "cpu.max"), "%d 100000" % max(1000, int(cpu * 100000)))
         else:
             if mem:
@@ -131,7 +140,10 @@ class Cgroups:
 
     def kill_slot(self, slot, spare=None, one=False):
         """SIGKILL every process in the slot's cgroup but ``spare`` (a pid); ``one``: as
-        listed by one controller (see :meth:`slot_pids`)."""
+        listed by one controller (see :meth:`slot_pids`). cgroup v2 without ``spare``:
+        all at once through ``cgroup.kill`` (no fork can slip past a list read first)."""
+        if self.mode == "cgroup-v2" and spare is None and cgroupv2.kill(self._dirs(slot)["unified"]):
+            return
         for pid in self.slot_pids(slot, one):
             if pid != spare:
                 _kill(pid, signal.SIGKILL)
@@ -142,14 +154,17 @@ class Cgroups:
             _rmdir(d)
 
     def remove_all(self):
-        """Remove the sandbox's cgroups; return True when none is left."""
+        """Remove the sandbox's cgroups; return True when none is left (with cgroup v2,
+        none but the agent's own leaf and its parent, which the driver removes once the
+        agent has exited: :func:`.cgroupv2.remove_tree`)."""
         for base in self._bases.values():
             if os.path.isdir(base):
                 for entry in os.listdir(base):
                     if entry.startswith("slot_"):
                         _rmdir(os.path.join(base, entry))
             _rmdir(base)
-            _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
+            if self.mode != "cgroup-v2":
+                _rmdir(os.path.dirname(base))  # the shared parent, once no sandbox uses it
         return not any(os.path.isdir(base) for base in self._bases.values())
 
     def pids_events_file(self, slot):
@@ -189,7 +204,7 @@ class Cgroups:
             return text.strip() not in ("", "0")
         for line in text.splitlines():
             key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip() != "0":
+            if key in ("oom_kill", "oom_group_kill") and value.strip() != "0":
                 return True
         return False
 
@@ -209,15 +224,6 @@ def _cgroup_mounts():
                     if ctrl in opts and ctrl not in found["v1"]:
                         found["v1"][ctrl] = mnt
     return found
-
-
-def _own_cgroup_path(v2):
-    with open("/proc/self/cgroup") as fh:
-        for line in fh:
-            hid, ctrls, path = line.rstrip("\n").split(":", 2)
-            if v2 and hid == "0":
-                return path
-    return "/"
 
 
 def _mkdir(path):

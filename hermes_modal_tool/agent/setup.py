@@ -86,6 +86,8 @@ class Setup:
                 limits)
             limit_mode = self.cgroups.mode
             reason = self.cgroups.reason
+            if limit_mode == "cgroup-v2" and cfg.get("cgroup_delegation"):
+                reason = "%s, made by %s" % (reason, cfg["cgroup_delegation"])
             if limit_mode == "rlimit":
                 self.cgroups = None
         self.rlimits = [] if self.cgroups else isolation.rlimits_for(limits, self.uid_base is not None)
@@ -108,7 +110,8 @@ class Setup:
         slot_caps = caps.caps_report(limits, limit_mode, self.filesystem, self.tmpfs_mb,
                                      self.slot_disk_mb, self.isolation, bool(tmpfs_root),
                                      self.contain_root, tmpfs_note,
-                                     self.shm_watch.caps() if self.shm_watch else None, shm_note)
+                                     self.shm_watch.caps() if self.shm_watch else None, shm_note,
+                                     self._cpu_controller())
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "python": "%d.%d.%d" % sys.version_info[:3],
@@ -127,6 +130,13 @@ class Setup:
             "gpu": dict(self.gpu.report, cgroup=self.cgroups.name if self.cgroups else None)
             if self.gpu else None,
         }
+
+    def _cpu_controller(self):
+        """Whether the slots' cgroups have the cpu controller (None without cgroups)."""
+        placement = getattr(self.cgroups, "placement", None)
+        if self.cgroups is None:
+            return None
+        return placement is None or "cpu" in placement.controllers
 
     def _choose_filesystem(self, cfg):
         """``("overlay", "")`` when each slot gets a layered root of its own, else

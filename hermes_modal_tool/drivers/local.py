@@ -35,6 +35,7 @@ from ..config import SandboxConfig
 from ..errors import IsolationUnavailableError, SandboxStartError
 from ..gpus import LocalGpus
 from ..secrets import resolve_secrets, secret_dirs
+from . import _cgroups_host
 from ._rootmask import root_only_files
 from .base import Driver, SandboxHandle
 
@@ -177,11 +178,11 @@ class LocalHandle(SandboxHandle):
         # removed, for up to CGROUP_REMOVE_S, then say what is left.
         end = time.monotonic() + CGROUP_REMOVE_S
         delay = 0.02
-        while not _remove_cgroups(self._cgroup):
+        while not _cgroups_host.remove_cgroups(self._cgroup):
             if time.monotonic() >= end:
                 log.warning("sandbox cgroups %s could not be removed within %g s (processes "
                             "still in them); remove them with rmdir once they are empty",
-                            _cgroup_dirs(self._cgroup), CGROUP_REMOVE_S)
+                            _cgroups_host.cgroup_dirs(self._cgroup), CGROUP_REMOVE_S)
                 break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -210,12 +211,15 @@ async def _rmtree(path: Path) -> None:
 
 
 def _spawn_agent(stderr_path: Path) -> subprocess.Popen:
-    """Start the agent process (its own session, a clean environment)."""
+    """Start the agent process (its own session, a clean environment); a normal user's on
+    cgroup v2 in a delegated cgroup of its own, where systemd gives one
+    (:func:`._cgroups_host.delegation`)."""
+    prefix, _ = _cgroups_host.delegation()
     with open(stderr_path, "wb") as err:
         return subprocess.Popen(
-            agent.command(sys.executable), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=err, env={"PATH": BASE_PATH, "LANG": "C.UTF-8"}, cwd="/",
-            start_new_session=True, close_fds=True)
+            prefix + agent.command(sys.executable), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=err, env=_cgroups_host.launch_env({"PATH": BASE_PATH, "LANG": "C.UTF-8"}),
+            cwd="/", start_new_session=True, close_fds=True)
 
 
 async def _shielded(fut: asyncio.Future, undo: Callable[[Any], None]) -> Any:
@@ -259,39 +263,6 @@ def _killpg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _cgroup_dirs(name: str) -> list[Path]:
-    """Where the agent of sandbox ``name`` makes its cgroups (v1 controllers, v2)."""
-    roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / name
-             for c in ("memory", "pids", "cpu")]
-    return roots + [Path("/sys/fs/cgroup/unified") / "hermes-modal-tool" / name]
-
-
-def _remove_cgroups(name: str) -> bool:
-    """Kill and remove cgroups the agent made for this sandbox (after a crash).
-
-    Returns True when none of them is left.
-    """
-    roots = _cgroup_dirs(name)
-    for root in roots:
-        if not root.is_dir():
-            continue
-        for sub in sorted(root.glob("slot_*")) + [root]:
-            try:
-                for pid in (sub / "cgroup.procs").read_text().split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-            except OSError:
-                pass
-        for sub in sorted(root.glob("slot_*")) + [root]:
-            try:
-                sub.rmdir()
-            except OSError:
-                pass
-    return not any(root.is_dir() for root in roots)
 
 
 def _warn_unused(config: SandboxConfig, host_root: bool = True) -> None:
@@ -428,6 +399,8 @@ class LocalDriver(Driver):
             "output_limit": config.output_limit,
             "hide": [str(self.state_root)] + [str(d) for d in secret_dirs()],
             "cgroups": True,
+            "cgroup_delegation": "systemd-run --user --scope -p Delegate=yes"
+            if _cgroups_host.delegation()[0] else None,
             "workdir": config.workdir,
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
@@ -472,6 +445,7 @@ class LocalDriver(Driver):
         return os.stat(self.state_root).st_dev
 
     def started(self, init: dict[str, Any], info: dict[str, Any]) -> None:
+        _cgroups_host.warn_fallback(info)
         if info.get("filesystem") == "overlay" and init.get("isolation") == "bwrap":
             _LAYERED_OK.add(self._device())
 

@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from support import bash, processes
+from support import bash, processes, slot_host_uid
 
 from hermes_modal_tool import ExecutionResult
 
@@ -78,10 +78,8 @@ def host_workspace(backend, slot) -> Path:
 
 async def slot_uid(backend, slot) -> int:
     """The host uid a slot's processes run as (with a layered root the slot is root inside,
-    mapped to this uid outside)."""
-    r = await bash(backend, slot, "awk '$1 == 0 {print $2; exit} END {}' /proc/self/uid_map; id -u")
-    lines = r.output.split()
-    uid = int(lines[0]) if len(lines) == 2 else int(lines[-1])
+    mapped to this uid outside), as the host sees it (:func:`support.slot_host_uid`)."""
+    uid = await slot_host_uid(backend, slot)
     assert uid >= 200000 or os.geteuid() != 0
     return uid
 

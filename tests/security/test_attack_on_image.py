@@ -12,7 +12,7 @@ about host files (``/etc/shadow`` is the image's own here).
 from __future__ import annotations
 
 import pytest
-from image_builder import images_for_tests
+from image_builder import images_for_tests, skip_without
 
 from hermes_modal_tool.testing.images import debian_image
 
@@ -50,7 +50,10 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="module")
 def image(image_name, built_images) -> str:
-    return debian_image() if image_name == "debian" else built_images[image_name]
+    if image_name == "debian":
+        skip_without("mmdebstrap", "umoci")
+        return debian_image()
+    return built_images[image_name]
 
 
 @pytest.fixture

@@ -1,0 +1,192 @@
+"""The host matrix: the project on other kernels and cgroup layouts, in VMs, and a table.
+
+    sudo .venv/bin/python -m tests.hosts.run [--cells host,v2-root,v2-user] [--quick]
+
+Cells (each but ``host`` boots Debian 12's stock kernel, 6.1, with cgroup v2 only, on
+this host's own ``/``: :mod:`tests.hosts.vm`):
+
+- ``host``: this machine as it is (no VM), as root;
+- ``v2-root``: cgroup v2, the backend as root;
+- ``v2-user``: cgroup v2, the backend as an unprivileged user (uid 1000) with no
+  delegated cgroup and no systemd: the rlimit fallback, with its reason;
+- ``v2-user-systemd``: the VM boots systemd; the same user runs the cell as a service
+  of its own user manager, and the local driver starts each agent with
+  ``systemd-run --user --scope -p Delegate=yes`` (a delegated cgroup of its own).
+
+In each: :mod:`tests.hosts.probe` (limit mode, caps, a slot past its ``slot_memory``
+next to a running neighbour, a slot's memory total, the CPU cap), the main job
+(``hermes-modal-tool batch examples/coding_rollouts.jsonl``), and :data:`TESTS` (the
+isolation and limit tests). ``--quick``: the probe only. Prints one table row per cell;
+exits 1 when a cell fails.
+
+Without ``/dev/kvm``'s stock-kernel support the VM runs under TCG (emulation, about ten
+times slower: see :func:`tests.hosts.vm.accel`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.hosts import vm
+
+REPO = Path(__file__).resolve().parents[2]
+#: The isolation and resource-limit tests each cell runs (memory per slot and its total,
+#: pids, OOM reported, timeouts, kill on release, slot uids and views).
+TESTS = ("tests/security/test_attack_resources.py tests/security/test_attack_processes.py "
+         "tests/test_isolation.py")
+MAIN = "examples/coding_rollouts.jsonl"
+USER = 1000
+
+CELL = r"""
+set -u
+cd {repo}
+echo "HOSTS-KERNEL $(uname -r) $(stat -fc %T /sys/fs/cgroup)"
+{prepare}
+{run} .venv/bin/python -m tests.hosts.probe 2>/tmp/probe.err
+echo "HOSTS-PROBE-RC $?"
+tail -n 5 /tmp/probe.err
+if [ -z "{quick}" ]; then
+  start=$(date +%s)
+  {run} .venv/bin/hermes-modal-tool batch {main} -o /tmp/results.jsonl > /tmp/main.log 2>&1
+  echo "HOSTS-MAIN-RC $? $(( $(date +%s) - start ))s"
+  echo "HOSTS-MAIN-TRAJECTORIES $(wc -l < /tmp/results.jsonl)"
+  tail -n 4 /tmp/main.log
+  start=$(date +%s)
+  {run} .venv/bin/python -m pytest -q -p no:cacheprovider {tests} > /tmp/tests.log 2>&1
+  echo "HOSTS-TESTS-RC $? $(( $(date +%s) - start ))s"
+  tail -n 25 /tmp/tests.log
+fi
+"""
+
+USER_PREPARE = r"""
+chmod 755 /root  # (in the VM's copy) the venv's Python is under /root/.pyenv here
+mkdir -p /tmp/home-{uid} && chown {uid}:{uid} /tmp/home-{uid}
+"""
+
+
+SYSTEMD_PREPARE = r"""
+systemctl start user@{uid}.service
+systemctl --no-pager status user@{uid}.service | head -n 5
+"""
+
+
+def cell_script(cell: str, quick: bool) -> str:
+    run, prepare = "", ""
+    user = f"setpriv --reuid={USER} --regid={USER} --clear-groups env HOME=/tmp/home-{USER} USER=user{USER}"
+    if cell.endswith("-user"):
+        run = user
+        prepare = USER_PREPARE.format(uid=USER)
+    elif cell.endswith("-user-systemd"):
+        # A service of the user's own manager (as a desktop or ssh session's commands
+        # are in the user's slices), which then starts each agent in a delegated scope.
+        run = (f"{user} XDG_RUNTIME_DIR=/run/user/{USER} systemd-run --user --wait --pipe "
+               f"--quiet --collect --same-dir -E HOME=/tmp/home-{USER} --")
+        prepare = USER_PREPARE.format(uid=USER) + SYSTEMD_PREPARE.format(uid=USER)
+    return CELL.format(repo=REPO, prepare=prepare, run=run, quick="1" if quick else "",
+                       main=MAIN, tests=TESTS)
+
+
+def run_cell(cell: str, quick: bool, timeout_s: float) -> dict:
+    """Run one cell; return its row (the probe's fields, the main job's and the tests'
+    exit codes and tails, the seconds it took)."""
+    script = cell_script(cell, quick)
+    start = time.monotonic()
+    if cell == "host":
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                              timeout=timeout_s, cwd=REPO)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        rc, out, _ = vm.run(script, timeout_s=timeout_s, systemd=cell.endswith("-systemd"))
+    row = {"cell": cell, "seconds": round(time.monotonic() - start), "vm_rc": rc, "log": out}
+    for key, pattern in (("kernel", r"HOSTS-KERNEL (\S+) (\S+)"), ("probe_rc", r"HOSTS-PROBE-RC (\d+)"),
+                         ("main", r"HOSTS-MAIN-RC (\d+) (\d+s)"), ("tests", r"HOSTS-TESTS-RC (\d+) (\d+s)")):
+        m = re.search(pattern, out)
+        row[key] = m.groups() if m else None
+    m = re.search(r"HOSTS-PROBE (\{.*\})", out)
+    row["probe"] = json.loads(m.group(1)) if m else None
+    m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", out, re.M)
+    row["tests_summary"] = m[-1] if m else None
+    m = re.search(r"HOSTS-MAIN-TRAJECTORIES (\d+)", out)
+    row["main_summary"] = f"{m.group(1)} trajectories" if m else None
+    row["ok"] = verdict(row)
+    return row
+
+
+def verdict(row: dict) -> bool:
+    """A cell passes when the probe ran and its limits behave as its mode promises, the
+    main job and the tests (where run) exited 0."""
+    p = row["probe"]
+    if p is None:
+        return False
+    oom = p["oom"]
+    if not (oom["neighbour_started"] and oom["neighbour_alive"] and oom["slot_usable_after"]):
+        return False
+    if p["limits"].startswith("cgroup"):
+        cpu = p["cpu_s_in_2s"]
+        if not (oom["reported"] and p["memory_total"]["killed"] and "per slot" in p["memory_enforced"]
+                and isinstance(cpu, float) and cpu <= 1.3):
+            return False
+    elif not p["limits_note"]:  # the fallback says why
+        return False
+    return all(r is None or r[0] == "0" for r in (row["main"], row["tests"]))
+
+
+def table(rows: list[dict]) -> str:
+    head = ("cell", "kernel", "cgroupfs", "limits", "caps.memory.enforced", "OOM: bomb / neighbour",
+            "slot total", "cpu s/2s", "main job", "tests", "time", "result")
+    lines = [head]
+    for r in rows:
+        p = r["probe"] or {}
+        oom = p.get("oom") or {}
+        lines.append((
+            r["cell"], (r["kernel"] or ("?", "?"))[0], (r["kernel"] or ("?", "?"))[1],
+            p.get("limits", "?"), (p.get("memory_enforced") or "?")[:60],
+            ("killed+reported" if oom.get("reported") else "not reported") + " / "
+            + ("running" if oom.get("neighbour_alive") else "NOT running"),
+            "killed" if (p.get("memory_total") or {}).get("killed") else "not capped",
+            str(p.get("cpu_s_in_2s", "?")),
+            "skipped" if r["main"] is None else
+            f"rc={r['main'][0]} {r['main_summary'] or ''} {r['main'][1]}",
+            "skipped" if r["tests"] is None else f"rc={r['tests'][0]} {r['tests_summary'] or ''} {r['tests'][1]}",
+            f"{r['seconds']}s", "PASS" if r["ok"] else "FAIL"))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return "\n".join(" | ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", default="host,v2-root,v2-user,v2-user-systemd")
+    ap.add_argument("--quick", action="store_true", help="the probe only")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per cell")
+    ap.add_argument("--logs", help="directory to write each cell's log to")
+    args = ap.parse_args(argv)
+    cells = args.cells.split(",")
+    why = vm.missing()
+    if why and any(c != "host" for c in cells):
+        print(f"host matrix: VM cells skipped: {why}", file=sys.stderr)
+        cells = [c for c in cells if c == "host"]
+    rows = []
+    for cell in cells:
+        print(f"host matrix: running {cell} ...", file=sys.stderr, flush=True)
+        row = run_cell(cell, args.quick, args.timeout)
+        rows.append(row)
+        if args.logs:
+            os.makedirs(args.logs, exist_ok=True)
+            Path(args.logs, f"{cell}.log").write_text(row["log"])
+            Path(args.logs, f"{cell}.json").write_text(json.dumps(
+                {k: v for k, v in row.items() if k != "log"}, indent=1))
+        if not row["ok"]:
+            print(row["log"][-3000:], file=sys.stderr)
+    print(table(rows))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
