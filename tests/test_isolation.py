@@ -123,9 +123,12 @@ async def test_slots_run_as_different_users(backend, two_slots):
 
 async def test_slots_have_private_tmp(backend, two_slots):
     a, b = two_slots
-    await bash(backend, a, "echo a-tmp > /tmp/shared-name")
-    r = await bash(backend, b, "cat /tmp/shared-name 2>&1; ls -A /tmp /dev/shm")
-    assert "a-tmp" not in r.output
+    r = await bash(backend, a, "echo a-tmp > /tmp/shared-name; echo a-shm > /dev/shm/shm-name; "
+                               "cat /tmp/shared-name /dev/shm/shm-name")
+    assert r.output == "a-tmp\na-shm\n", r.output  # positive control: the write worked
+    r = await bash(backend, b, "cat /tmp/shared-name /dev/shm/shm-name 2>&1; ls -A /tmp /dev/shm")
+    assert "a-tmp" not in r.output and "a-shm" not in r.output and "-name" not in r.output.replace(
+        "/tmp/shared-name", "").replace("/dev/shm/shm-name", ""), r.output
 
 
 async def test_slot_sees_only_its_own_processes(backend, two_slots):
