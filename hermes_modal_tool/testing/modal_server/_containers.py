@@ -44,13 +44,19 @@ class _Containers:
                 (root / "fs" / sub / workdir[len(target) :].lstrip("/")).mkdir(
                     parents=True, exist_ok=True)
 
-    def _container_argv(self, fs: Path, argv: list[str], cwd: str, *, block_network: bool) -> list[str]:
+    def _container_argv(self, fs: Path, argv: list[str], cwd: str, *, block_network: bool,
+                        root: Path | None = None) -> list[str]:
+        """bwrap's command line for one process of a sandbox: the host's root read-only
+        (or ``root``, an image's root filesystem: see ``image_roots``), the sandbox's
+        writable directories, the container tools, then ``argv`` in ``cwd``."""
         assert self._bwrap is not None
         args = [str(self._bwrap), "--die-with-parent", "--unshare-pid", "--unshare-ipc",
                 "--unshare-uts", "--hostname", "modal"]
         if block_network:
             args.append("--unshare-net")
-        args += self._root_binds
+        # An image root is bound writable so that bwrap can make its mount points, then
+        # made read-only with the rest (--remount-ro / below).
+        args += ["--bind", str(root), "/"] if root is not None else self._root_binds
         args += ["--dev", "/dev", "--dir", "/proc"]
         for target, (sub, _mode) in WRITABLE_DIRS.items():
             if target != "/var/tmp" or self._has_var_tmp:
@@ -62,10 +68,15 @@ class _Containers:
     async def _start_process(self, sb: _Sandbox, proc: _Process, env: dict[str, str],
                              workdir: str | None, timeout_s: float | None) -> None:
         cwd = workdir or sb.record.workdir or "/"
+        root = self.image_roots.get(sb.record.image_tag)
         if self.isolation == "bwrap":
-            argv = self._container_argv(sb.fs, proc.argv, cwd, block_network=sb.record.block_network)
+            argv = self._container_argv(sb.fs, proc.argv, cwd, block_network=sb.record.block_network,
+                                        root=root)
             await proc.start(self, argv, env, None, timeout_s)
             return
+        if root is not None:
+            raise OSError(f"image {sb.record.image_tag!r} has a root of its own ({root}): that "
+                          "needs isolation='bwrap'")
         exists = cwd != "/" and await asyncio.to_thread(os.path.isdir, cwd)
         host_cwd = cwd if exists else str(sb.fs / "workspace")
         env = {**env, "HOME": str(sb.fs / "root")}
