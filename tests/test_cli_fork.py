@@ -64,6 +64,7 @@ def test_failed_source_fails_its_forks(tmp_path: Path) -> None:
     assert "setup failed" in rec["bad-setup"]["error"] and "nope" in rec["bad-setup"]["error"]
 
 
+@pytest.mark.timeout(660)  # the example's own limit is 600 s (no-fork mode: ~300 s on a loaded 2-core machine)
 def test_grpo_example_runs_and_compares() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_group.py"), "--slots", "36"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
