@@ -207,14 +207,17 @@ async def test_host_home_is_hidden(backend, slot, home_canary):
 async def test_host_environment_is_not_inherited(make_backend, monkeypatch):
     value = "canary-" + secrets.token_hex(8)
     monkeypatch.setenv("HMT_CANARY_SECRET", value)
-    backend = await make_backend()
+    backend = await make_backend(env_vars={"HMT_PROFILE_VAR": "from-profile"})
     slot = await backend.acquire("t")
     r = await bash(backend, slot, "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
+    assert "HMT_PROFILE_VAR=from-profile" in r.output  # positive control: env is what it lists
     assert "HMT_CANARY_SECRET" not in r.output
     assert value not in r.output
 
 
 async def test_shadow_is_unreadable(backend, slot):
+    r = await bash(backend, slot, "cat /etc/passwd")  # positive control: a host file reads
+    assert r.success and r.output.startswith("root:")
     r = await bash(backend, slot, "cat /etc/shadow")
     assert not r.success
     assert "root:" not in r.output
