@@ -166,28 +166,43 @@ def run(target: str, phase: str, args: argparse.Namespace) -> dict:
         return {"target": target, "phase": phase, "error": "baseline failed:\n" + base.stdout[-3000:]}
     subprocess.run(cr + ["exec", str(config), str(session)], cwd=work, check=True,
                    capture_output=True)
-    killed = survived = incompetent = 0
+    out = summarize(target, phase, args)
+    out.update(sites=len(by_site), baseline_s=round(baseline_s, 1))
+    return out
+
+
+def summarize(target: str, phase: str, args: argparse.Namespace) -> dict:
+    """killed / tried of a finished (or running) session; survivors and outcomes to files."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome
+
+    spec = TARGETS[target]
+    session = Path(args.work) / f"{target}-{phase}" / "session.sqlite"
+    killed = survived = incompetent = pending = 0
     survivors = []
     outcomes = {}
     with use_db(str(session), WorkDB.Mode.open) as db:
+        done = set()
         for item, result in db.completed_work_items:
+            done.add(item.job_id)
             if result.worker_outcome == WorkerOutcome.SKIPPED:
                 continue
-            outcome = str(result.test_outcome)
+            outcome = str(result.test_outcome).rsplit(".", 1)[-1].lower()
             [m] = item.mutations
             outcomes[f"{m.start_pos[0]}:{m.start_pos[1]} {m.operator_name} #{m.occurrence}"] = outcome
-            if outcome.endswith("killed"):
+            if outcome == "killed":
                 killed += 1
-            elif outcome.endswith("survived"):
+            elif outcome == "survived":
                 survived += 1
                 survivors.append(f"{spec.module}:{m.start_pos[0]}: {m.operator_name} #{m.occurrence}\n"
                                  f"{result.diff}\n")
             else:
                 incompetent += 1
+        pending = sum(1 for i in db.work_items if i.job_id not in done)
     (Path(args.work) / f"{target}-{phase}.survivors.txt").write_text("".join(survivors))
     (Path(args.work) / f"{target}-{phase}.outcomes.json").write_text(json.dumps(outcomes, indent=1))
     return {"target": target, "phase": phase, "killed": killed, "tried": killed + survived,
-            "incompetent": incompetent, "sites": len(by_site), "baseline_s": round(baseline_s, 1)}
+            "incompetent": incompetent, "pending": pending}
 
 
 def main() -> int:
@@ -198,12 +213,18 @@ def main() -> int:
     ap.add_argument("--max-mutants", type=int, default=60, help="per target and phase")
     ap.add_argument("--seed", type=int, default=34)
     ap.add_argument("--work", default="/tmp/hmt-mutation")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only print the scores of sessions already in --work (also while running)")
     args = ap.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
     for target in args.targets.split(","):
         if target not in TARGETS:
             raise SystemExit(f"mutation: unknown target {target!r} (one of {', '.join(TARGETS)})")
         for phase in args.phases.split(","):
+            if args.summarize:
+                if (Path(args.work) / f"{target}-{phase}" / "session.sqlite").exists():
+                    print(json.dumps(summarize(target, phase, args)), flush=True)
+                continue
             start = time.monotonic()
             out = run(target, phase, args)
             out["wall_s"] = round(time.monotonic() - start)
