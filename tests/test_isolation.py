@@ -124,9 +124,12 @@ async def test_slots_run_as_different_users(backend, two_slots):
 
 async def test_slots_have_private_tmp(backend, two_slots):
     a, b = two_slots
-    await bash(backend, a, "echo a-tmp > /tmp/shared-name")
-    r = await bash(backend, b, "cat /tmp/shared-name 2>&1; ls -A /tmp /dev/shm")
-    assert "a-tmp" not in r.output
+    r = await bash(backend, a, "echo a-tmp > /tmp/shared-name; echo a-shm > /dev/shm/shm-name; "
+                               "cat /tmp/shared-name /dev/shm/shm-name")
+    assert r.output == "a-tmp\na-shm\n", r.output  # positive control: the write worked
+    r = await bash(backend, b, "cat /tmp/shared-name /dev/shm/shm-name 2>&1; ls -A /tmp /dev/shm")
+    assert "a-tmp" not in r.output and "a-shm" not in r.output and "-name" not in r.output.replace(
+        "/tmp/shared-name", "").replace("/dev/shm/shm-name", ""), r.output
 
 
 async def test_slot_sees_only_its_own_processes(backend, two_slots):
@@ -205,14 +208,17 @@ async def test_host_home_is_hidden(backend, slot, home_canary):
 async def test_host_environment_is_not_inherited(make_backend, monkeypatch):
     value = "canary-" + secrets.token_hex(8)
     monkeypatch.setenv("HMT_CANARY_SECRET", value)
-    backend = await make_backend()
+    backend = await make_backend(env_vars={"HMT_PROFILE_VAR": "from-profile"})
     slot = await backend.acquire("t")
     r = await bash(backend, slot, "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
+    assert "HMT_PROFILE_VAR=from-profile" in r.output  # positive control: env is what it lists
     assert "HMT_CANARY_SECRET" not in r.output
     assert value not in r.output
 
 
 async def test_shadow_is_unreadable(backend, slot):
+    r = await bash(backend, slot, "cat /etc/passwd")  # positive control: a host file reads
+    assert r.success and r.output.startswith("root:")
     r = await bash(backend, slot, "cat /etc/shadow")
     assert not r.success
     assert "root:" not in r.output

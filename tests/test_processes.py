@@ -67,11 +67,15 @@ async def test_release_kills_the_slots_processes(driver_backend):
     marker = "4242"
     proc = await backend.start_process(slot, f"sleep {marker}; echo never")
     assert await proc.wait(timeout_s=0.1) is None
-    await backend.release(slot, reset_workspace=True)
 
     async def sleeping() -> bool:
         return any(f"sleep\x00{marker}".encode() in p.cmdline for p in processes().values())
 
+    # Positive control: the process is running (seen on the host) before the release.
+    assert await eventually(sleeping, bool, timeout=20)
+    [listed] = await backend.list_processes(slot)
+    assert listed["running"], listed
+    await backend.release(slot, reset_workspace=True)
     assert not await eventually(sleeping, lambda alive: not alive, timeout=20)
     again = await backend.acquire("next")
     assert await backend.list_processes(again) == []

@@ -193,6 +193,8 @@ async def test_unicode_round_trips(backend, slot):
 
 async def test_exit_gives_a_fresh_shell_next_time(backend, slot):
     await bash(backend, slot, "export GONE=1; mkdir d; cd d")
+    r = await bash(backend, slot, 'pwd; echo "${GONE-unset}"')
+    assert r.output.splitlines() == [slot.workspace_dir + "/d", "1"]  # the state existed
     r = await bash(backend, slot, "exit 3")
     assert r.returncode == 3 and not r.success and r.error
     r = await bash(backend, slot, 'pwd; echo "${GONE-unset}"')

@@ -8,6 +8,7 @@ which were looked for, what each said, and how to install one.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -35,6 +36,19 @@ def docker_ref(image: str) -> str:
     return name
 
 
+def loopback_registry(ref: str) -> bool:
+    """Whether ``ref`` (as :func:`docker_ref` gives it) names a registry on this machine
+    (``localhost`` or ``127.0.0.0/8``, any port): Docker treats those as insecure
+    registries by default (plain HTTP), and so does the pull here."""
+    host = ref.split("/", 1)[0].rsplit(":", 1)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _run(argv: list[str]) -> str | None:
     """Run a pull command; None when it worked, else what it said."""
     try:
@@ -60,14 +74,16 @@ def pull(image: str, dest_dir: str, path: str | None = None) -> Source:
     found = {t: shutil.which(t, path=path) for t in TOOLS}
     if found["skopeo"]:
         layout = os.path.join(dest_dir, "oci")
-        why = _run([found["skopeo"], "copy", "--quiet", f"docker://{ref}",
+        tls = ["--src-tls-verify=false"] if loopback_registry(ref) else []
+        why = _run([found["skopeo"], "copy", "--quiet", *tls, f"docker://{ref}",
                     f"oci:{layout}:image"])
         if why is None:
             return Source(image, "oci", layout, "image")
         failures.append(f"skopeo: {why}")
     if found["podman"]:
         archive = os.path.join(dest_dir, "image.oci.tar")
-        why = _run([found["podman"], "pull", "--quiet", ref]) or _run(
+        tls = ["--tls-verify=false"] if loopback_registry(ref) else []
+        why = _run([found["podman"], "pull", "--quiet", *tls, ref]) or _run(
             [found["podman"], "save", "--format", "oci-archive", "-o", archive, ref])
         if why is None:
             return Source(image, "oci-archive", archive, None)

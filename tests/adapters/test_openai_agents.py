@@ -10,6 +10,7 @@ pin (``openai==2.24``) excludes, so these tests run in their own environment
 (``.venv-agents``, made by ``scripts/setup.sh``; ``scripts/test.sh`` runs them).
 """
 
+# ruff: noqa: E402  (the SDK is imported after the skip-or-fail check below)
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import require_agents_sdk
+
+require_agents_sdk()
+
 from agents import RunConfig, Runner, set_tracing_disabled
 from agents.models.openai_responses import OpenAIResponsesModel
 from agents.sandbox import SandboxAgent, SandboxRunConfig

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support import committed_notebook, executed_notebook, notebook_text
+from support import committed_notebook, executed_notebook, notebook_text, require_agents_sdk
+
+require_agents_sdk()
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "openai_agents_adapter.ipynb"
 

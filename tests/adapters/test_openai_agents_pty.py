@@ -5,6 +5,7 @@ commands on pipes, exit codes, truncation, timeouts, termination and release; an
 ``Runner.run`` whose scripted model drives a REPL with both tools. Runs in ``.venv-agents``
 (see test_openai_agents.py)."""
 
+# ruff: noqa: E402  (the SDK is imported after the skip-or-fail check below)
 from __future__ import annotations
 
 import re
@@ -13,6 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from support import require_agents_sdk
+
+require_agents_sdk()
+
 from agents import Runner, set_tracing_disabled
 from agents.sandbox.capabilities.tools.shell_tool import ExecCommandArgs, ExecCommandTool
 from agents.sandbox.errors import ExecTransportError, PtySessionNotFoundError

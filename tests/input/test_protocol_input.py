@@ -59,6 +59,12 @@ def test_random_payloads_in_valid_frames(payload: bytes, cuts: list[int]) -> Non
     try:
         msgs = feed_all(split(frame(payload), cuts))
     except ProtocolError:
+        # Refused: then it is not a JSON object (a refused object would be a lost message).
+        try:
+            value = json.loads(payload.decode("utf-8", "surrogatepass"))
+        except ValueError:  # (UnicodeDecodeError is one)
+            return
+        assert not isinstance(value, dict), payload
         return
     assert msgs == [json.loads(payload.decode("utf-8", "surrogatepass"))]
 
@@ -102,14 +108,22 @@ def test_hostile_payloads(payload: bytes) -> None:
     assert all(isinstance(m, dict) for m in msgs)
 
 
-def test_deeply_nested_payload_is_a_protocol_error_not_a_recursion_error() -> None:
-    payload = b"[" * 100_000 + b"]" * 100_000
+@pytest.mark.parametrize("payload", [b"[" * 100_000 + b"]" * 100_000,
+                                     b'{"a":' * 100_000 + b"1" + b"}" * 100_000])
+def test_deeply_nested_payload_is_a_protocol_error_not_a_recursion_error(payload: bytes) -> None:
     try:
         decode_payload(payload)
-    except ProtocolError:
-        pass
     except RecursionError as exc:  # pragma: no cover - the failure this test is about
         pytest.fail(f"RecursionError escaped decode_payload: {exc}")
+    except ProtocolError as exc:
+        assert str(exc).startswith("undecodable frame: "), exc  # refused for its depth
+    else:  # pragma: no cover - the other failure: a 100,000-deep payload accepted
+        pytest.fail("decode_payload accepted a 100,000-deep payload")
+    # Positive control: the same shapes, shallow, decode (the dict) or are refused as
+    # not an object (the list), not as undecodable.
+    assert decode_payload(b'{"a":{"a":1}}') == {"a": {"a": 1}}
+    with pytest.raises(ProtocolError, match="not a JSON object"):
+        decode_payload(b"[[]]")
 
 
 def test_oversized_length_header_is_refused_before_buffering() -> None:

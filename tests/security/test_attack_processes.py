@@ -41,10 +41,15 @@ async def test_cannot_see_signal_or_trace_other_slots_or_the_agent(backend, two_
         r = await bash(backend, b, cmd + " 2>&1")
         assert "sleep 300" not in r.output and "HMT_TEST_TOKEN" not in r.output, cmd
     await call(backend, b, "write_file", path="pt.py", content=PTRACE)
-    r = await bash(backend, b, f"python3 pt.py {host_pids}")
-    for line in r.output.splitlines():
+    r = await bash(backend, b, f"python3 pt.py {host_pids} 2>&1")
+    lines = r.output.splitlines()
+    assert r.success and len(lines) == len(host_pids.split()), r.output  # every pid was tried
+    for line in lines:
         pid, rc, err = map(int, line.split())
         assert rc == -1 and err in (1, 3), line  # EPERM or ESRCH: never attached
+    # Positive control: the same script does attach to a process of the slot's own.
+    r = await bash(backend, b, "sleep 30 & p=$!; python3 pt.py $p; kill -9 $p")
+    assert r.output.split()[1:] == ["0", "0"], r.output
     # The victim's job, the agent and the test process are untouched.
     procs = processes()
     assert all(p in procs and procs[p].comm == "sleep" for p in victims)

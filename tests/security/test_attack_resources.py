@@ -114,8 +114,14 @@ async def test_command_that_never_reads_stdin_or_waits_for_input(backend, slot):
     assert r.output == "got:\neof\n"  # stdin is /dev/null: no command can wait on it
     r = await bash(backend, slot, "python3 -c 'import sys; print(len(sys.stdin.read()))'")
     assert r.output == "0\n"
-    r = await bash(backend, slot, "sleep 60 < /dev/tty 2>&1; cat /dev/zero > /dev/null", timeout=1.5)
-    assert r.metadata["timed_out"]
+    # No controlling terminal: a read of /dev/tty fails at once (ENXIO), never waits.
+    r = await bash(backend, slot, "cat < /dev/tty 2>&1; echo rc=$?", timeout=5)
+    assert not r.metadata["timed_out"] and r.output.endswith("rc=1\n"), r.output
+    # Positive control: a process given a terminal (a PTY session) does read /dev/tty.
+    proc = await backend.start_process(slot, "head -n1 < /dev/tty | tr a-z A-Z; echo rc=$?")
+    await proc.write("typed\n")
+    assert b"TYPED" in await proc.read_until(b"rc=0")
+    assert await proc.wait(timeout_s=20) == 0
 
 
 async def test_busy_loops_stop_at_the_timeout(backend, two_slots):

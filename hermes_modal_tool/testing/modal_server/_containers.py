@@ -45,13 +45,19 @@ class _Containers:
                     parents=True, exist_ok=True)
 
     def _container_argv(self, fs: Path, argv: list[str], cwd: str, *, block_network: bool,
-                        gpu: str | None = None) -> list[str]:
+                        gpu: str | None = None, root: Path | None = None) -> list[str]:
+        """bwrap's command line for one process of a sandbox: the host's root read-only
+        (or ``root``, an image's root filesystem: see ``image_roots``), the sandbox's
+        writable directories, stand-in GPU nodes for a ``gpu`` sandbox, the container
+        tools, then ``argv`` in ``cwd``."""
         assert self._bwrap is not None
         args = [str(self._bwrap), "--die-with-parent", "--unshare-pid", "--unshare-ipc",
                 "--unshare-uts", "--hostname", "modal"]
         if block_network:
             args.append("--unshare-net")
-        args += self._root_binds
+        # An image root is bound writable so that bwrap can make its mount points, then
+        # made read-only with the rest (--remount-ro / below).
+        args += ["--bind", str(root), "/"] if root is not None else self._root_binds
         args += ["--dev", "/dev", "--dir", "/proc"] + (_standin_gpus() if gpu else [])
         for target, (sub, _mode) in WRITABLE_DIRS.items():
             if target != "/var/tmp" or self._has_var_tmp:
@@ -63,11 +69,15 @@ class _Containers:
     async def _start_process(self, sb: _Sandbox, proc: _Process, env: dict[str, str],
                              workdir: str | None, timeout_s: float | None) -> None:
         cwd = workdir or sb.record.workdir or "/"
+        root = self.image_roots.get(sb.record.image_tag)
         if self.isolation == "bwrap":
             argv = self._container_argv(sb.fs, proc.argv, cwd, block_network=sb.record.block_network,
-                                        gpu=sb.record.gpu)
+                                        gpu=sb.record.gpu, root=root)
             await proc.start(self, argv, env, None, timeout_s)
             return
+        if root is not None:
+            raise OSError(f"image {sb.record.image_tag!r} has a root of its own ({root}): that "
+                          "needs isolation='bwrap'")
         exists = cwd != "/" and await asyncio.to_thread(os.path.isdir, cwd)
         host_cwd = cwd if exists else str(sb.fs / "workspace")
         env = {**env, "HOME": str(sb.fs / "root")}

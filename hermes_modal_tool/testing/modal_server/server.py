@@ -64,6 +64,11 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
         images: image id -> :class:`ImageRecord` (those asked of this server).
         create_delay_s: simulated scheduling delay (seconds) before a new sandbox gets
             its task: V1 creation polls ``SandboxGetTaskId`` meanwhile, V2 returns at once.
+        image_roots: registry tag (``Image.from_registry``'s name, e.g.
+            ``"hmt-test/busybox:1"``) -> a root filesystem directory on this host: the
+            containers of sandboxes of that image run on it (read-only, with the sandbox's
+            writable directories) instead of the host's root. Needs bwrap isolation. Mount
+            points the root lacks (``/tmp``, ``/proc`` ...) are created in the directory.
         loop: the event loop the server runs on (for ``run_coroutine_threadsafe``).
 
     Example:
@@ -88,6 +93,7 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
         self.sandboxes: dict[str, SandboxRecord] = {}
         self.images: dict[str, ImageRecord] = {}
         self.create_delay_s = 0.0
+        self.image_roots: dict[str, Path] = {}
         self._state_of: dict[str, _Sandbox] = {}  # every sandbox, live or finished
         self._tasks_by_id: dict[str, _Sandbox] = {}
         self._apps: dict[tuple[str, str], str] = {}

@@ -1,0 +1,236 @@
+"""Mutation testing on demand (not in CI): how many planted bugs the tests catch in the
+modules where a missed bug is a security hole or lost data.
+
+For each target (a module, optionally only some of its functions) and each phase
+(``before``: the test subset as of a base commit, e.g. main; ``after``: the subset in this
+work tree), the work tree is copied to ``--work/<target>-<phase>`` (cosmic-ray mutates
+files in place, so never the checkout itself), ``cosmic-ray init`` lists the mutants, a
+seeded sample of at most ``--max-mutants`` (one mutant per source position first, so every
+site is tried before any site twice) is kept, the unmutated subset must pass (baseline),
+then ``cosmic-ray exec`` runs the subset against each mutant with a per-mutant timeout.
+
+Prints one line per target and phase: killed / tried, and the surviving mutants (module,
+line, operator) to ``--work/<target>-<phase>.survivors.txt``; judging which survivors are
+equivalent (no test could tell them apart) is left to the reader.
+
+Usage:
+    bash scripts/mutation.sh [--targets files,importer] [--phases before,after]
+                             [--base main] [--max-mutants 60] [--work /tmp/hmt-mutation]
+
+Needs the ``mutation`` extra (``cosmic-ray``); scripts/mutation.sh installs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = ROOT / ".venv" / "bin" / "python"
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str  # path under the repository root
+    functions: tuple[str, ...]  # only mutants inside these (qualified names); () = whole module
+    before: tuple[str, ...]  # pytest ids as of the base commit
+    after: tuple[str, ...]  # pytest ids in this work tree
+    timeout_s: float = 120.0  # per mutant (the whole subset); over it counts as killed
+    test_timeout_s: float = 60.0  # per test (pytest-timeout): a mutant that loops ends soon
+
+
+FS = "tests/security/test_attack_filesystem.py"
+TARGETS: dict[str, Target] = {
+    # The agent's file tools and path resolution.
+    "files": Target(
+        "hermes_modal_tool/agent/files.py",
+        ("Workspace._parts", "Workspace.walk", "Workspace._link_target", "Workspace._check_owner",
+         "Workspace.open_read", "Workspace.write_bytes"),
+        before=(f"{FS}::test_symlinks_pointing_out_via_file_tools", f"{FS}::test_hard_links_to_foreign_files",
+                "tests/test_isolation.py::test_file_tools_see_only_the_slots_own_view"),
+        after=("tests/test_file_tools_unit.py",), timeout_s=150.0, test_timeout_s=40.0),
+    # The snapshot importer (its member checks and extraction).
+    "importer": Target(
+        "hermes_modal_tool/agent/transfer.py", ("_read_tar",),
+        before=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
+                "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state"),
+        after=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
+               "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state",
+               "tests/test_snapshot_import_refusals.py"),
+        timeout_s=240.0),
+    # The image unpacker.
+    "unpack": Target(
+        "hermes_modal_tool/images/unpack.py", (),
+        before=("tests/test_images.py",), after=("tests/test_images.py",), timeout_s=240.0),
+    # Admission (how many shells start at once, memory checks).
+    "admission": Target(
+        "hermes_modal_tool/agent/admission.py", (),
+        before=("tests/test_admission.py",), after=("tests/test_admission.py",)),
+    # Release and reset.
+    "resets": Target(
+        "hermes_modal_tool/resets.py", (),
+        before=("tests/test_reset_reuse.py",), after=("tests/test_reset_reuse.py",), timeout_s=240.0),
+}
+
+
+def function_lines(path: Path, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """Line ranges (1-based, inclusive) of the functions ``names`` (``Class.method``)."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[int, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if name in names and not isinstance(child, ast.ClassDef):
+                    found.append((child.lineno, child.end_lineno or child.lineno))
+                visit(child, name + ".")
+
+    visit(tree, "")
+    if len(found) < len(names):
+        raise SystemExit(f"mutation: {path}: some of the functions {names} are not there")
+    return found
+
+
+def copy_tree(dest: Path, base: str | None) -> None:
+    """The work tree (without .git, virtual environments, caches) at ``dest``; with
+    ``base``, its tests/ as of that commit."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    ignore = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache",
+                                    ".ruff_cache", "mutants")
+    shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
+    if base:
+        shutil.rmtree(dest / "tests")
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", base, "tests"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def run(target: str, phase: str, args: argparse.Namespace) -> dict:
+    spec = TARGETS[target]
+    work = Path(args.work) / f"{target}-{phase}"
+    copy_tree(work, args.base if phase == "before" else None)
+    tests = spec.before if phase == "before" else spec.after
+    command = (f"{PY} -m pytest -x -q -p no:cacheprovider "
+               f"--timeout {int(spec.test_timeout_s)} " + " ".join(tests))
+    config = work / "cosmic-ray.toml"
+    config.write_text(
+        "[cosmic-ray]\n"
+        f"module-path = {json.dumps(spec.module)}\n"
+        f"timeout = {spec.timeout_s}\n"
+        "excluded-modules = []\n"
+        f"test-command = {json.dumps(command)}\n"
+        "[cosmic-ray.distributor]\nname = \"local\"\n")
+    session = work / "session.sqlite"
+    cr = [str(ROOT / ".venv" / "bin" / "cosmic-ray")]
+    subprocess.run(cr + ["init", str(config), str(session), "--force"], cwd=work, check=True,
+                   capture_output=True)
+
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    ranges = function_lines(work / spec.module, spec.functions) if spec.functions else None
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        items = list(db.work_items)
+        by_site: dict[tuple, list] = {}
+        for item in items:
+            [m] = item.mutations
+            line = m.start_pos[0]
+            if ranges is None or any(a <= line <= b for a, b in ranges):
+                by_site.setdefault(tuple(m.start_pos), []).append(item)
+        rng = random.Random(args.seed)
+        chosen: list = []
+        rounds = [rng.sample(v, len(v)) for v in by_site.values()]
+        while len(chosen) < args.max_mutants and any(rounds):
+            for r in rounds:
+                if r and len(chosen) < args.max_mutants:
+                    chosen.append(r.pop())
+        keep = {i.job_id for i in chosen}
+        skip = [i.job_id for i in items if i.job_id not in keep]
+        if skip:
+            db.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+    # Baseline: the unmutated subset must pass here.
+    start = time.monotonic()
+    base = subprocess.run(command.split(), cwd=work, capture_output=True, text=True)
+    baseline_s = time.monotonic() - start
+    if base.returncode != 0:
+        return {"target": target, "phase": phase, "error": "baseline failed:\n" + base.stdout[-3000:]}
+    subprocess.run(cr + ["exec", str(config), str(session)], cwd=work, check=True,
+                   capture_output=True)
+    out = summarize(target, phase, args)
+    out.update(sites=len(by_site), baseline_s=round(baseline_s, 1))
+    return out
+
+
+def summarize(target: str, phase: str, args: argparse.Namespace) -> dict:
+    """killed / tried of a finished (or running) session; survivors and outcomes to files."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome
+
+    spec = TARGETS[target]
+    session = Path(args.work) / f"{target}-{phase}" / "session.sqlite"
+    killed = survived = incompetent = pending = 0
+    survivors = []
+    outcomes = {}
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        done = set()
+        for item, result in db.completed_work_items:
+            done.add(item.job_id)
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                continue
+            outcome = str(result.test_outcome).rsplit(".", 1)[-1].lower()
+            [m] = item.mutations
+            outcomes[f"{m.start_pos[0]}:{m.start_pos[1]} {m.operator_name} #{m.occurrence}"] = outcome
+            if outcome == "killed":
+                killed += 1
+            elif outcome == "survived":
+                survived += 1
+                survivors.append(f"{spec.module}:{m.start_pos[0]}: {m.operator_name} #{m.occurrence}\n"
+                                 f"{result.diff}\n")
+            else:
+                incompetent += 1
+        pending = sum(1 for i in db.work_items if i.job_id not in done)
+    (Path(args.work) / f"{target}-{phase}.survivors.txt").write_text("".join(survivors))
+    (Path(args.work) / f"{target}-{phase}.outcomes.json").write_text(json.dumps(outcomes, indent=1))
+    return {"target": target, "phase": phase, "killed": killed, "tried": killed + survived,
+            "incompetent": incompetent, "pending": pending}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: " + ", ".join(TARGETS))
+    ap.add_argument("--phases", default="before,after")
+    ap.add_argument("--base", default="main", help="commit whose tests are the 'before' phase")
+    ap.add_argument("--max-mutants", type=int, default=60, help="per target and phase")
+    ap.add_argument("--seed", type=int, default=34)
+    ap.add_argument("--work", default="/tmp/hmt-mutation")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only print the scores of sessions already in --work (also while running)")
+    args = ap.parse_args()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    for target in args.targets.split(","):
+        if target not in TARGETS:
+            raise SystemExit(f"mutation: unknown target {target!r} (one of {', '.join(TARGETS)})")
+        for phase in args.phases.split(","):
+            if args.summarize:
+                if (Path(args.work) / f"{target}-{phase}" / "session.sqlite").exists():
+                    print(json.dumps(summarize(target, phase, args)), flush=True)
+                continue
+            start = time.monotonic()
+            out = run(target, phase, args)
+            out["wall_s"] = round(time.monotonic() - start)
+            print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
