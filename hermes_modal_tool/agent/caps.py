@@ -15,7 +15,8 @@ def tmpfs_mb_for(limits):
 
 
 def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolation="bwrap",
-                shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note=""):
+                shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note="",
+                disk_plan=(None, None, False, "")):
     """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ...}``, each with the cap (MiB
     or a count) and ``enforced``: how, or ``"none"`` with the reason.
 
@@ -30,6 +31,7 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
         tmpfs_note: why ``shared_tmpfs`` could not be had, if it was wanted.
         shm: without bubblewrap, the memory-backed shared places' watch
             (:meth:`.shmwatch.ShmWatch.caps`), or None and ``shm_note`` says why.
+        disk_plan: :func:`.slotdisk.plan`'s ``(disks, size_mb, default, note)``.
     """
     cgroup = limit_mode.startswith("cgroup")
     mem = limits.get("slot_memory_mb")
@@ -63,12 +65,22 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
                  "enforced": "size cap per mount" + (
                      ", pages charged to the slot's memory cgroup" if cgroup else
                      " (each place, not a slot total: %s)" % (tmpfs_note or "no cgroups"))}
+    disks, disk_mb, disk_default, disk_note = disk_plan
+    if disks is not None:
+        disk = {"mib": disks.size_mb, "inodes": disks.inodes, "default": disk_default,
+                "enforced": "kernel: each writable layer is a file system of its own (ext4 on "
+                            "a loop device) of this size and inode count; past it, ENOSPC",
+                "note": disk_note}
+        return _report(limits, cgroup, memory, tmpfs, disk)
     if not slot_disk_mb:
-        disk = {"mib": None, "enforced": "none", "note": "set slot_disk to cap what a slot writes"}
+        disk = {"mib": None, "enforced": "none",
+                "note": "set slot_disk to have what a slot writes watched (no kernel limit "
+                        "here: %s)" % (disk_note or "no layered root")}
     elif filesystem == "overlay":
         disk = {"mib": slot_disk_mb, "enforced": "watched",
                 "note": "measured every %gs while a command runs and when it ends; the "
-                        "command is stopped past the limit" % DISK_WATCH_S}
+                        "command is stopped past the limit (no kernel limit here: %s)"
+                        % (DISK_WATCH_S, disk_note)}
     elif isolation != "bwrap":
         disk = {"mib": slot_disk_mb, "enforced": "watched",
                 "note": "its workspace plus what the slot's uid owns in /tmp, /var/tmp and "
@@ -77,6 +89,10 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
     else:
         disk = {"mib": slot_disk_mb, "enforced": "none",
                 "note": "no layered root: the limit is not applied"}
+    return _report(limits, cgroup, memory, tmpfs, disk)
+
+
+def _report(limits, cgroup, memory, tmpfs, disk):
     pids = {"count": limits.get("pids"),
             "enforced": "cgroup pids.max" if cgroup else "RLIMIT_NPROC (per uid)"}
     return {"memory": memory, "tmpfs": tmpfs, "disk": disk, "pids": pids}

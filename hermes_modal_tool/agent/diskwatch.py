@@ -20,9 +20,11 @@ SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 def watched(agent, slot):
-    """Is ``slot``'s disk use watched against ``slot_disk``?"""
+    """Is ``slot``'s disk use watched against ``slot_disk``? Not where the kernel
+    enforces it (:mod:`.slotdisk`)."""
     return bool(agent.slot_disk_mb) and (
-        slot.root is not None or (agent.isolation != "bwrap" and slot.uid is not None))
+        (slot.root is not None and getattr(agent, "layer_disks", None) is None)
+        or (agent.isolation != "bwrap" and slot.uid is not None))
 
 
 def usage_fn(slot):
@@ -79,6 +81,27 @@ class DiskWatch:
             if self._disk_over(used) and slot.shell.collector is collector:
                 slot.shell.cancel(self._disk_message(used))
                 return
+
+    def _disk_full_checked(self, slot, done):
+        """Where the kernel enforces the limit (:mod:`.slotdisk`): name it in a bash
+        call's result when the slot's layer is full as the command ends (one ``statvfs``,
+        on the loop: O(1))."""
+        def finish(result):
+            disks = self.layer_disks
+            layer = slot.root.active if slot.root is not None else None
+            if layer is not None and disks.owns(layer.dir) and disks.full(layer.dir):
+                if not result.get("error"):
+                    result["error"] = (
+                        "the slot's disk is full (slot_disk = %d MiB, %d inodes, enforced by "
+                        "the kernel): writes in the slot fail with ENOSPC. Remove files to go "
+                        "on." % (disks.size_mb, disks.inodes))
+                    if result.get("returncode") == 0:
+                        result["returncode"] = 1
+                data = result.get("data")
+                if isinstance(data, dict):
+                    data.setdefault("limits_hit", []).append("disk")
+            done(result)
+        return finish
 
     def _disk_checked(self, slot, done):
         """Wrap a bash call's ``done``: measure the writable layer once more before the

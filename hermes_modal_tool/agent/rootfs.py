@@ -54,7 +54,7 @@ import os
 import stat
 import threading
 
-from . import trees
+from . import slotdisk, trees
 from .mounts import (
     MS_RDONLY,
     mount_idmapped,
@@ -116,6 +116,7 @@ class SlotRoot:
         self.plan = plan
         self.trash = trash
         self.spares = spares  # the sandbox's kept layer directories (.layerspares)
+        self.disks = None  # the sandbox's layer file systems (.slotdisk.LayerDisks) or None
         self.dirs = list(dirs)
         self.active = None
         self.standby = None
@@ -206,6 +207,9 @@ class SlotRoot:
             self._spread = True
             trees.spread_subdirs(self.base)
         _unmount_layer(layer)
+        if self.disks is not None and self.disks.owns(layer.dir):
+            self.disks.recycle(layer.dir)  # emptied and kept, or unmounted (.slotdisk)
+            return None
         dest = os.path.join(self.trash, "%s-%s" % (os.path.basename(self.base),
                                                    os.path.basename(layer.dir)))
         os.rename(layer.dir, dest)
@@ -263,10 +267,14 @@ class SlotRoot:
             self._attach_lowers()
             self._seq += 1
             layer = _Layer(os.path.join(self.base, "layer-%d" % self._seq), stack)
-        if stack is None and len(self.plan.mounts) == 1 and self.spares is not None \
+        if self.disks is not None:  # the layer's own file system (.slotdisk)
+            os.mkdir(layer.dir, 0o700)
+            self.disks.take(layer.dir)
+        elif stack is None and len(self.plan.mounts) == 1 and self.spares is not None \
                 and self.spares.take(layer.dir, self.uid, self.gid):
             return layer
-        os.mkdir(layer.dir, 0o700)
+        else:
+            os.mkdir(layer.dir, 0o700)
         os.chown(layer.dir, self.uid, self.gid)
         for i in range(len(self.plan.mounts)):
             upper, work = layer.dirs(i)
@@ -305,7 +313,7 @@ class SlotRoot:
             return self._mount(layer, ["%s:%s" % (self._template_of(i), lower)
                                        for i, lower in enumerate(self._lowers)])
         except OSError:
-            trees.remove_tree(layer.dir)  # nothing is mounted on it (_mount unmounted it)
+            slotdisk.drop(self.disks, layer.dir)  # nothing is mounted in it (_mount unmounted it)
             raise
 
     # -- snapshots (see agent/snapshots.py) ------------------------------------------
@@ -470,6 +478,8 @@ class SlotRoot:
         layer = self.active
         if layer is None:
             return 0
+        if self.disks is not None and self.disks.owns(layer.dir):  # deleted-but-open files too
+            return self.disks.used(layer.dir)[0]
         total = [0]
 
         def visit(fd, name, st):

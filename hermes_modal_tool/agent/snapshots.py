@@ -33,7 +33,7 @@ state looks like its own files, owned by its root.
 
 import re
 
-from . import trees
+from . import slotdisk
 
 #: Messages handled here.
 OPS = ("snapshot", "fork", "release_snapshot", "snapshots", "export_snapshot", "import_snapshot")
@@ -134,7 +134,8 @@ class SnapshotStore:
 
     async def _delete(self, path):
         loop = self.agent.loop
-        await loop.run_in_executor(self.agent.executor("files"), trees.remove_tree, path)
+        await loop.run_in_executor(self.agent.executor("files"), slotdisk.drop,
+                                   self.agent.layer_disks, path)
 
 
 def store(agent):
