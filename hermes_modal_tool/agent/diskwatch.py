@@ -84,12 +84,18 @@ class DiskWatch:
 
     def _disk_full_checked(self, slot, done):
         """Where the kernel enforces the limit (:mod:`.slotdisk`): name it in a bash
-        call's result when the slot's layer is full as the command ends (one ``statvfs``,
-        on the loop: O(1))."""
-        def finish(result):
-            disks = self.layer_disks
+        call's result when the command filled the slot's layer (full as it ends, not as it
+        was queued; one ``statvfs`` each, on the loop: O(1))."""
+        disks = self.layer_disks
+
+        def full():
             layer = slot.root.active if slot.root is not None else None
-            if layer is not None and disks.owns(layer.dir) and disks.full(layer.dir):
+            return layer is not None and disks.owns(layer.dir) and disks.full(layer.dir)
+
+        was_full = full()
+
+        def finish(result):
+            if not was_full and full():
                 if not result.get("error"):
                     result["error"] = (
                         "the slot's disk is full (slot_disk = %d MiB, %d inodes, enforced by "
