@@ -11,6 +11,7 @@ against its memory share too, with or without ``slot_disk`` (:mod:`.shmwatch`).
 """
 
 import asyncio
+import os
 import stat
 
 from .trees import walk_path
@@ -30,8 +31,31 @@ def watched(agent, slot):
 def usage_fn(slot):
     """A blocking ``() -> bytes`` measuring what ``slot`` wrote (see the module doc)."""
     if slot.root is not None:
-        return slot.root.usage_bytes
+        return lambda: layer_bytes(slot.root)
     return lambda: uid_usage_bytes(slot.uid, slot.ws_host, SHARED_PLACES)
+
+
+def layer_bytes(root):
+    """Bytes the slot of ``root`` (a :class:`.rootfs.SlotRoot`) has written in its layer in
+    use: its own file system's usage when it has one (deleted-but-open files count too:
+    ``statvfs``, O(1)), else its blocks, walked (linear in its files) with directory
+    descriptors (``trees.walk_tree``): the slot may change the layer meanwhile, and the
+    walk never follows its links or leaves the layer; a directory moved during the walk
+    ends it early (what was counted is returned)."""
+    layer = root.active
+    if layer is None:
+        return 0
+    if layer.disk is not None:
+        return root.disks.used(layer.disk)[0]
+    total = [0]
+
+    def visit(fd, name, st):
+        total[0] += st.st_blocks * 512
+        return stat.S_ISDIR(st.st_mode)
+
+    for sub in ("upper", "layers"):
+        walk_path(os.path.join(layer.dir, sub), visit)
+    return total[0]
 
 
 def uid_usage_bytes(uid, workspace, shared):
@@ -90,7 +114,8 @@ class DiskWatch:
 
         def full():
             layer = slot.root.active if slot.root is not None else None
-            return layer is not None and disks.owns(layer.dir) and disks.full(layer.dir)
+            disk = layer.disk if layer is not None else None
+            return disk is not None and disks.full(disk)
 
         was_full = full()
 

@@ -5,30 +5,33 @@ Stdlib-only, Python 3.8.
 
 Why not a project quota on one shared file system: it needs the kernel's quota support
 (``CONFIG_QUOTA`` with ``CONFIG_QFMT_V2`` for ext4, ``CONFIG_XFS_QUOTA`` for xfs), which
-kernels built for VMs and containers often lack (this one does: ext4 with
-``-O quota,project`` and xfs with ``prjquota`` both refuse to mount). A file system per
-layer needs only loop devices and ext4, and its cap is its size:
+kernels built for VMs and containers often lack (this one does: ext4 made with
+``-O quota,project`` and xfs mounted with ``prjquota`` are both refused). A file system
+per layer needs only loop devices and ext4, and its cap is its size:
 
 - once per sandbox, ``mkfs.ext4`` makes a *template* image of ``slot_disk`` MiB (no
   journal: a layer is thrown away, never recovered; no reserved blocks; one inode per
-  :data:`BYTES_PER_INODE`), in the agent's state directory. It is sparse: about 50 KiB of
+  :data:`BYTES_PER_INODE`) in the agent's state directory. It is sparse: ~50-250 KiB of
   metadata, the rest holes;
-- per layer (each tenant of each slot, and each fork's layer): a new sparse file, the
-  template's data copied into it (a few ``pread``/``pwrite``), a loop device for it
-  (``LOOP_CTL_GET_FREE`` then ``LOOP_CONFIGURE`` with ``LO_FLAGS_AUTOCLEAR``), mounted at
-  the layer's directory; the file is unlinked at once. The layer's ``upper`` and ``work``
-  (overlayfs needs both on one file system) are made in it.
+- per layer (each tenant of each slot, each fork): a new sparse file, the template's data
+  copied into it (a few ``pread``/``pwrite``), a loop device for it (``LOOP_CTL_GET_FREE``
+  then ``LOOP_CONFIGURE`` with ``LO_FLAGS_AUTOCLEAR``), ext4 mounted from it as a
+  *detached* mount (``fsopen``/``fsmount``: in no mount namespace, so the slots' ``bwrap``,
+  which copies the agent's namespace at every start, has no more mounts to copy), held by
+  a close-on-exec descriptor; the file is unlinked at once. The layer's ``upper`` and
+  ``work`` (overlayfs needs both on one file system) are made in it through
+  ``/proc/self/fd/N``;
 - a write past the size fails in the slot with ``ENOSPC``, a file past the inode count
-  too; the host's file system only ever holds what the layers hold (sparse files), and
-  the slot's neighbours have file systems of their own.
-- dropping the layer unmounts it (lazily); the last reference gone, the loop device
-  detaches itself and the unlinked file's blocks are freed: O(1) in what the tenant wrote.
+  too; the host's file system holds only what the layers hold (sparse files), and each
+  neighbour has a file system of its own;
+- dropping the layer unmounts its overlay and closes the descriptor: the kernel frees the
+  file system, detaches the loop device and frees the unlinked file, O(1) in what the
+  tenant wrote (nothing is walked).
 
-Every mount is in the agent's private mount namespace (:func:`.mounts.enter_private_mount_namespace`):
-if the agent dies, the kernel unmounts them all and the files (already unlinked) go.
-
-Where this cannot work (not root, no ``/dev/loop-control``, no ``mkfs.ext4``, a mount
-refused) :func:`probe` says why and the limit is watched (:mod:`.diskwatch`).
+If the agent dies, the kernel does the same for every layer (its descriptors close, its
+private mount namespace goes). Where this cannot work (not root, no ``/dev/loop-control``,
+no ``mkfs.ext4``, a mount refused) :func:`probe` says why and ``slot_disk`` is watched
+(:mod:`.diskwatch`).
 """
 
 import concurrent.futures
@@ -50,13 +53,13 @@ LO_FLAGS_AUTOCLEAR = 4
 _LOOP_CONFIG = struct.Struct("=II232s64s")
 _LO_FLAGS_OFFSET = 5 * 8 + 3 * 4  # lo_flags in struct loop_info64
 
-MS_MOVE = 8192
-FITRIM = 0xC0185879
+SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 430, 431, 432  # the same on every architecture
+FSOPEN_CLOEXEC = FSMOUNT_CLOEXEC = 1
+FSCONFIG_SET_FLAG, FSCONFIG_SET_STRING, FSCONFIG_CMD_CREATE = 0, 1, 6
 #: ext4's options: no zeroing of inode tables in the background (never-used ones read as
 #: empty anyway) and no cache flushes (nothing of a layer outlives the agent).
-MOUNT_OPTS = b"noinit_itable,barrier=0"
-#: Emptied layer file systems a sandbox keeps mounted for its next layers.
-KEEP = 8
+MOUNT_FLAGS = (b"noinit_itable",)
+MOUNT_STRINGS = ((b"barrier", b"0"),)
 
 #: Bytes of a layer per inode (ext4's own default for small file systems is 4 KiB; the
 #: host's is 16 KiB). A 64 MiB layer holds 8,192 files.
@@ -71,26 +74,31 @@ def inodes_for(size_mb):
 
 
 class LayerDisks:
-    """The sandbox's layer file systems: a template image, and emptied file systems kept
-    mounted for the next layers (:data:`KEEP`), so a reset in steady state neither mounts
-    nor unmounts one (each costs 10-150 ms of waiting on the kernel, ~1.5 ms of CPU).
+    """The sandbox's layer file systems: a template image, and one detached ext4 mount per
+    writable layer, held by a file descriptor (:meth:`attach`).
+
+    A detached mount is in no mount namespace: the slots' ``bwrap`` copies the agent's
+    namespace at every shell start, at a cost that grows with its mounts (~0.5 ms of
+    waiting per mount per start here), so the layers' file systems add none. The agent
+    reaches one through ``/proc/self/fd/N`` (:func:`fd_path`): overlayfs takes its
+    ``upperdir`` and ``workdir`` there, and keeps the file system alive while mounted.
+    A frozen layer (a snapshot) is attached at its directory instead (:meth:`attach_at`).
 
     ``path``: a root-only directory on the host's disk (the agent's state directory);
     ``size_mb``: each layer's size. Thread-safe: layers are built and dropped in worker
     threads.
     """
 
-    def __init__(self, path, size_mb, keep=KEEP):
+    def __init__(self, path, size_mb):
         self.path = path
         self.size_mb = int(size_mb)
         self.inodes = inodes_for(size_mb)
-        self.keep = keep
         self.template = os.path.join(path, "template.img")
         self._extents = None  # [(offset, bytes)] of the template's data
         self._seq = 0
-        self._clean = []  # mount points in path/pool holding an empty file system
-        self._live = set()  # every mount point of ours that holds one (pool included)
-        self._base = None  # (blocks, inodes) an empty one uses
+        self._fds = set()  # detached mounts held
+        self._attached = set()  # frozen layers' mount points
+        self._base = None  # (bytes, inodes) an empty one uses
         self._lock = threading.Lock()
 
     def prepare(self):
@@ -102,8 +110,7 @@ class LayerDisks:
         mkfs = shutil.which("mkfs.ext4", path=os.environ.get("PATH", "") + ":/sbin:/usr/sbin")
         if mkfs is None:
             raise OSError(errno.ENOENT, "no mkfs.ext4 on PATH, /sbin or /usr/sbin")
-        for sub in ("", "pool", "dirty"):
-            os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
         os.chmod(self.path, 0o700)
         with open(self.template, "wb") as f:
             f.truncate(self.size_mb * 1024 * 1024)
@@ -117,14 +124,14 @@ class LayerDisks:
                 proc.returncode, proc.stdout.decode("utf-8", "replace").strip()[-300:]))
         self._extents = _data_extents(self.template)
 
-    def _name(self, sub):
+    def attach(self, uid=0, gid=0):
+        """A new, empty layer file system as a detached mount: its file descriptor
+        (close-on-exec), root owned by ``uid:gid``, mode 0700. Blocking (a file of a few
+        data blocks, two ioctls, the mount: 10-50 ms, most of it waiting on the kernel).
+        Release it with :meth:`release`. Raises OSError (the step and errno in it)."""
         with self._lock:
             self._seq += 1
-            return os.path.join(self.path, sub, "%d" % self._seq)
-
-    def _mount_new(self, target):
-        """Mount a new, empty layer file system at ``target`` (an existing directory)."""
-        name = self._name("") + ".img"
+            name = os.path.join(self.path, "layer-%d.img" % self._seq)
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.unlink(name)  # nothing on the host's tree: freed when the loop device goes
@@ -139,127 +146,118 @@ class LayerDisks:
         finally:
             os.close(fd)
         try:  # mounted before the device is closed: with AUTOCLEAR the last close detaches it
-            _mount(dev, target, b"ext4", 0, MOUNT_OPTS)
+            mfd = fs_mount_detached(dev)
         finally:
             os.close(lfd)
         with self._lock:
-            self._live.add(target)
-        _rmdir(os.path.join(target, "lost+found"))  # fsck's; no fsck ever runs on a layer
-        os.chmod(target, 0o700)
-        if self._base is None:
-            self._base = _used(target)
-
-    def take(self, target):
-        """Mount an empty layer file system at ``target`` (an existing, empty directory):
-        a kept one (moved there) or a new one. Its root is owned by root, mode 0700.
-
-        Blocking. Raises OSError (the step and the errno in the message).
-        """
-        with self._lock:
-            src = self._clean.pop() if self._clean else None
-        if src is None:
-            self._mount_new(target)
-            return
+            self._fds.add(mfd)
         try:
-            _mount(src, target, None, MS_MOVE, None)
+            root = fd_path(mfd)
+            os.rmdir(os.path.join(root, "lost+found"))  # fsck's; no fsck runs on a layer
+            os.chown(root, uid, gid)
+            os.chmod(root, 0o700)
+            if self._base is None:
+                self._base = _used(root)
         except OSError:
-            self._unmount(src)
+            self.release(mfd)
             raise
+        return mfd
+
+    def release(self, mfd):
+        """Let the layer file system held by ``mfd`` go (unmount its overlay first): the
+        kernel frees it, its loop device and its file once nothing uses it."""
         with self._lock:
-            self._live.discard(src)
-            self._live.add(target)
-        _rmdir(src)
+            if mfd not in self._fds:
+                return
+            self._fds.discard(mfd)
+        os.close(mfd)
+
+    def attach_at(self, mfd, path):
+        """Attach the detached layer file system ``mfd`` at ``path`` (a frozen layer's
+        directory, kept while the snapshot is) and release the descriptor."""
+        mounts.move_mount_fd(mfd, path)
+        with self._lock:
+            self._attached.add(path)
+        self.release(mfd)
 
     def owns(self, path):
+        """Whether a frozen layer's file system of ours is attached at ``path``."""
         with self._lock:
-            return path in self._live
+            return path in self._attached
 
-    def used(self, path):
-        """``(bytes, inodes)`` the file system mounted at ``path`` holds beyond an empty
-        one's (``statvfs``: deleted files still open count)."""
-        b, i = _used(path)
+    def detach(self, path):
+        """Unmount the frozen layer's file system at ``path`` (lazily)."""
+        with self._lock:
+            self._attached.discard(path)
+        _quiet_umount(path)
+
+    def used(self, mfd):
+        """``(bytes, inodes)`` the layer file system ``mfd`` holds beyond an empty one's
+        (``statvfs``: deleted files still open count)."""
+        b, i = _used(fd_path(mfd))
         return b - self._base[0], i - self._base[1]
 
-    def full(self, path):
-        """Whether the layer file system at ``path`` is (nearly) full: under 1 MiB or no
-        inode left. O(1) (``statvfs``), cheap enough for the event loop."""
+    def full(self, mfd):
+        """Whether the layer file system ``mfd`` is (nearly) full: under 1 MiB or no inode
+        left. O(1) (``statvfs``), cheap enough for the event loop."""
         try:
-            st = os.statvfs(path)
+            st = os.statvfs(fd_path(mfd))
         except OSError:
             return False
         return st.f_bavail * st.f_frsize < 1048576 or st.f_favail == 0
 
-    def recycle(self, path):
-        """Drop the layer file system mounted at ``path`` (nothing else mounted in it; no
-        process of the slot left): empty it and keep it for a later layer, or unmount it
-        (the loop device and its file go with it). ``path`` is removed. Blocking, linear
-        in what the tenant left (as deleting a layer's tree always was); call it from a
-        worker thread."""
-        dirty = self._name("dirty")
-        os.mkdir(dirty, 0o700)
-        try:
-            _mount(path, dirty, None, MS_MOVE, None)
-        except OSError:
-            _rmdir(dirty)
-            self._unmount(path)
-            _rmdir(path)
-            return
-        with self._lock:
-            self._live.discard(path)
-            self._live.add(dirty)
-        _rmdir(path)
-        with self._lock:
-            room = len(self._clean) < self.keep
-        if room:
-            try:
-                trees.empty_dir(dirty)
-                os.chown(dirty, 0, 0)
-                os.chmod(dirty, 0o700)
-                if _used(dirty) == self._base:  # nothing held open: as new
-                    _trim(dirty)
-                    clean = self._name("pool")
-                    os.mkdir(clean, 0o700)
-                    _mount(dirty, clean, None, MS_MOVE, None)
-                    with self._lock:
-                        self._live.discard(dirty)
-                        self._live.add(clean)
-                        self._clean.append(clean)
-                    _rmdir(dirty)
-                    return
-            except OSError:
-                pass
-        self._unmount(dirty)
-        _rmdir(dirty)
-
-    def _unmount(self, path):
-        with self._lock:
-            self._live.discard(path)
-        try:
-            mounts.umount(path)
-        except OSError:
-            pass
-
     def close(self, threads=8):
-        """Unmount every layer file system of ours (the agent is stopping), ``threads`` at
-        a time: each waits 10-150 ms on the kernel, little of it CPU."""
+        """Let every layer file system of ours go (the agent is stopping), ``threads`` at a
+        time: each waits 5-150 ms on the kernel, little of it CPU."""
         with self._lock:
-            live, self._live, self._clean = sorted(self._live), set(), []
-        if not live:
-            return
+            fds, self._fds = sorted(self._fds), set()
+            attached, self._attached = sorted(self._attached), set()
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(_quiet_umount, live))
+            list(pool.map(os.close, fds))
+            list(pool.map(_quiet_umount, attached))
 
     def describe(self):
         return {"mib": self.size_mb, "inodes": self.inodes}
 
 
+def fd_path(mfd):
+    """The agent's path to the root of the detached mount ``mfd``."""
+    return "/proc/self/fd/%d" % mfd
+
+
 def drop(disks, path):
-    """Delete a dropped layer directory ``path``: its file system recycled when it has one
-    of ``disks`` (a :class:`LayerDisks` or None), else its tree removed. Blocking."""
+    """Delete a dropped frozen layer's directory ``path``: its file system detached first
+    when it has one of ``disks`` (a :class:`LayerDisks` or None). Blocking."""
     if disks is not None and disks.owns(path):
-        disks.recycle(path)
-    else:
-        trees.remove_tree(path)
+        disks.detach(path)
+    trees.remove_tree(path)
+
+
+def fs_mount_detached(dev):
+    """Mount the ext4 on ``dev`` as a detached mount (``fsopen``, ``fsconfig``, ``fsmount``);
+    returns its close-on-exec file descriptor."""
+    lib = mounts.libc()
+    fs = _sys(lib.syscall(SYS_FSOPEN, b"ext4", FSOPEN_CLOEXEC), "fsopen ext4")
+    try:
+        _sys(lib.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"source", os.fsencode(dev), 0),
+             "fsconfig source=%s" % dev)
+        for key in MOUNT_FLAGS:
+            _sys(lib.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_FLAG, key, None, 0), "fsconfig %s" % key)
+        for key, value in MOUNT_STRINGS:
+            _sys(lib.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, key, value, 0),
+                 "fsconfig %s" % key)
+        _sys(lib.syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0),
+             "mount ext4 (%s)" % dev)
+        return _sys(lib.syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC, 0), "fsmount %s" % dev)
+    finally:
+        os.close(fs)
+
+
+def _sys(result, what):
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+    return result
 
 
 def _quiet_umount(path):
@@ -269,34 +267,9 @@ def _quiet_umount(path):
         pass
 
 
-def _mount(source, target, fstype, flags, opts):
-    if mounts.libc().mount(os.fsencode(source), os.fsencode(target), fstype, flags, opts) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, "mount %s at %s: %s" % (source, target, os.strerror(err)))
-
-
-def _rmdir(path):
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
-
-
 def _used(path):
     st = os.statvfs(path)
     return ((st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree)
-
-
-def _trim(path):
-    """Give the file system's free blocks back to the host (``FITRIM``: the loop device
-    punches holes in its file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.ioctl(fd, FITRIM, struct.pack("=QQQ", 0, 2 ** 64 - 1, 0))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _data_extents(path):
@@ -400,23 +373,17 @@ def plan(agent, cfg):
         cfg.get("slot_disk") is None, why or note
 
 
-def probe(path, size_mb, keep=KEEP):
+def probe(path, size_mb):
     """Can each layer get a file system of its own here? Returns ``(disks, "")`` with a
-    prepared :class:`LayerDisks` (one empty file system already mounted, kept for the
-    first layer), or ``(None, why)``. The agent must already be in its private mount
-    namespace (:func:`.rootprobe.probe`)."""
+    prepared :class:`LayerDisks`, or ``(None, why)``."""
     if os.geteuid() != 0:
         return None, "the agent is not root"
     if not os.path.exists("/dev/loop-control"):
         return None, "no /dev/loop-control (loop devices)"
-    disks = LayerDisks(path, max(MIN_MB, int(size_mb)), keep)
+    disks = LayerDisks(path, max(MIN_MB, int(size_mb)))
     try:
         disks.prepare()
-        first = disks._name("pool")
-        os.mkdir(first, 0o700)
-        disks._mount_new(first)
-        with disks._lock:
-            disks._clean.append(first)
+        disks.release(disks.attach())
     except (OSError, subprocess.SubprocessError) as exc:
         disks.close()
         return None, "no loop-mounted file system per layer: %s" % (exc,)

@@ -15,7 +15,9 @@ import os
 from pathlib import Path
 
 import pytest
-from support import SMALL, bash, processes
+from support import SMALL, bash
+
+from .helpers import agent_view
 
 LIMIT_MIB = 64
 MIB = 1024 * 1024
@@ -37,8 +39,9 @@ async def disk_backend(make_backend, **fields):
 
 
 async def layer_path(backend, slot) -> Path:
-    """The slot's writable layer as the agent sees it, reached on the host through the
-    agent's mount namespace; asserts it is a mount of its own (a file system apart)."""
+    """The slot's root (its overlay) as the agent sees it, reached on the host through the
+    agent's mount namespace. ``statvfs`` of an overlay is its upper layer's file system's:
+    asserts that is a file system of its own, of ``slot_disk`` MiB (not the host's disk)."""
     assert (await bash(backend, slot, "true")).success  # its layer is mounted by now
     state = Path(backend.get_status()["drivers"]["local"]["state_root"]) / slot.sandbox_id
     base = state / "fs" / f"slot_{slot.index}"
@@ -46,17 +49,14 @@ async def layer_path(backend, slot) -> Path:
         if (base / "current").is_symlink():
             break
         await asyncio.sleep(0.05)
-    layer = base / os.readlink(base / "current")
-    for pid, proc in processes().items():
-        if not proc.is_agent:
-            continue
-        try:
-            points = {line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
-        except OSError:
-            continue
-        if str(layer) in points:
-            return Path(f"/proc/{pid}/root{layer}")
-    raise AssertionError(f"{layer} is no file system of its own in any agent's mount namespace")
+    merged = base / os.readlink(base / "current") / "merged"
+    disk = backend.get_status()["pools"][backend.default_profile]["caps"]["disk"]
+    path = agent_view(merged)
+    st = os.statvfs(path)
+    assert st.f_blocks * st.f_frsize <= disk["mib"] * MIB, (
+        f"the slot's layer is on a file system of {st.f_blocks * st.f_frsize // MIB} MiB, "
+        f"not one of its own of {disk['mib']} MiB")
+    return path
 
 
 def used(path: Path) -> tuple[int, int]:
@@ -132,7 +132,6 @@ async def test_many_small_files_run_out_of_inodes_not_the_hosts(make_backend):
     """Issue 35: inodes were not counted at all (20,000-60,000 per counted MiB)."""
     backend, disk = await disk_backend(make_backend)
     slot = await backend.acquire("inodes")
-    layer = await layer_path(backend, slot)
     r = await bash(backend, slot, "mkdir /tmp/m && cd /tmp/m && for i in $(seq 500); do : > f$i; done; "
                                   "ls | wc -l")
     assert r.output.split()[-1] == "500", (r.output, r.error)  # positive control
@@ -141,7 +140,7 @@ async def test_many_small_files_run_out_of_inodes_not_the_hosts(make_backend):
     assert "No space left on device" in r.output, (r.output[-300:], r.error)
     count = int(r.output.split()[-1])
     assert disk["inodes"] - 100 <= count <= disk["inodes"], (count, disk)
-    assert used(layer)[1] <= disk["inodes"]
+    assert used(await layer_path(backend, slot))[1] <= disk["inodes"]
 
 
 async def test_a_full_slot_leaves_its_neighbour_and_its_next_tenant_their_space(make_backend):
