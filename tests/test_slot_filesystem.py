@@ -228,7 +228,7 @@ async def test_slot_disk_limit_is_watched_and_named(make_backend):
     r = await bash(backend, hog, "for i in $(seq 200); do head -c 1048576 /dev/zero > /opt/f$i; "
                                  "done; sleep 3; echo end", timeout=60)
     assert not r.success and "slot_disk = 64 MiB" in r.error, (r.output, r.error)
-    r = await bash(backend, hog, "head -c 100M /dev/zero > /big 2>&1; echo rc=$?")
+    r = await bash(backend, hog, "rm -f /opt/f*; head -c 100M /dev/zero > /big 2>&1; echo rc=$?")
     assert "File size limit exceeded" in r.output  # no single file outgrows the limit
     r = await bash(backend, hog, "rm -f /opt/f* /big; echo cleaned")
     assert r.success and r.output == "cleaned\n"
