@@ -25,9 +25,13 @@ OWN_PATHS: list[str] = []
 FACTS: dict[str, Any] = {}
 
 
+#: Fields every profile of the run gets (engine.py's ``--disk-limit``, ``--slot-disk``).
+EXTRA: dict[str, Any] = {}
+
+
 def cfg(**kw: Any) -> SandboxConfig:
     base = {"name": PROFILE, "slots_per_sandbox": 100, "min_sandboxes": 1, "max_sandboxes": 1,
-            "execution_timeout_s": 60}
+            "execution_timeout_s": 60, **EXTRA}
     base.update(kw)
     return SandboxConfig(**base)
 

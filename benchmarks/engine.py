@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared benchmark helpers
+import _engine_backends  # noqa: E402 - EXTRA (--disk-limit, --slot-disk)
 import streaming  # noqa: E402 - section g
 from _engine_backends import FACTS, ORPHANS, reap_orphans, wait_clean  # noqa: E402
 from _engine_render import render, summary_ms  # noqa: E402
@@ -280,10 +281,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-sandbox", type=int, default=100, help="slots per sandbox for the memory test")
     ap.add_argument("--sections", default="a,b,c,d,e,f,g", help="which sections to run (default a,b,c,d,e,f,g)")
     ap.add_argument("--no-swerex", action="store_true", help="skip the SWE-ReX comparison")
+    ap.add_argument("--disk-limit", choices=("auto", "kernel", "watch"), default=None,
+                    help="every profile's disk_limit (default: the profile default, auto)")
+    ap.add_argument("--slot-disk", type=int, default=None, metavar="MIB",
+                    help="every profile's slot_disk (default: none, a fair share)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
                     help="first wait up to S seconds for other processes to go quiet (shared machines)")
     args = ap.parse_args(argv)
+    if args.disk_limit:
+        _engine_backends.EXTRA["disk_limit"] = args.disk_limit
+    if args.slot_disk:
+        _engine_backends.EXTRA["slot_disk"] = args.slot_disk
     threading.current_thread().name = "bench"
     res = run(args)
     print(render(res, args.quick), flush=True)

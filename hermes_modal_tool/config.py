@@ -106,7 +106,14 @@ class SandboxConfig(BaseModel):
                             "the workspace writable), or 'auto' (overlay where the machine allows).")
     slot_disk: int | None = Field(
         None, gt=0, le=16 * 1024 * 1024,
-        description="Disk a slot may write (its writable layer and workspace), MiB; default: no limit.")
+        description="Disk a slot may write (its writable layer and workspace), MiB; default: a "
+                    "fair share of the sandbox's free disk (free / slots_per_sandbox) where the "
+                    "kernel enforces it (see disk_limit), else no limit.")
+    disk_limit: Literal["auto", "kernel", "watch"] = Field(
+        "auto", description="How slot_disk holds: 'kernel' (each writable layer a file system of "
+                            "that size and inode count: ENOSPC past it; needs root, loop devices "
+                            "and mkfs.ext4), 'watch' (measured while commands run; the command "
+                            "is stopped past it), or 'auto' (kernel where the machine allows).")
     setup: list[str] | None = Field(
         None, description="Commands every slot of the profile starts after: run once per content "
                           "key (commands, profile, image) in a fresh slot, snapshotted, and each "

@@ -47,7 +47,10 @@ async def test_a_call_right_after_release_sees_none_of_the_killed_tenant(make_ba
 
 
 async def test_dropped_layers_directories_are_reused_and_nothing_piles_up(make_backend):
-    backend = await make_backend(slots_per_sandbox=3, min_sandboxes=1, max_sandboxes=1)
+    # The layers' directories on the state's disk (with slot_disk enforced by the kernel each
+    # layer is a file system of its own instead, freed whole: agent/slotdisk.py).
+    backend = await make_backend(slots_per_sandbox=3, min_sandboxes=1, max_sandboxes=1,
+                                 disk_limit="watch")
     if not layered(backend):
         pytest.skip("no layered root here")
     pool = next(iter(backend._pools.values()))

@@ -219,7 +219,8 @@ async def test_reset_drops_a_large_layer_without_waiting_for_it(backend):
 
 
 async def test_slot_disk_limit_is_watched_and_named(make_backend):
-    backend = await make_backend(slot_disk=64)
+    """The fallback where the kernel cannot enforce ``slot_disk`` (here asked for)."""
+    backend = await make_backend(slot_disk=64, disk_limit="watch")
     pool = backend.get_status()["pools"][backend.default_profile]
     assert pool["slot_disk"]["mib"] == 64 and pool["slot_disk"]["enforced"] == "watched"
     hog = await backend.acquire("hog")
@@ -227,11 +228,27 @@ async def test_slot_disk_limit_is_watched_and_named(make_backend):
     r = await bash(backend, hog, "for i in $(seq 200); do head -c 1048576 /dev/zero > /opt/f$i; "
                                  "done; sleep 3; echo end", timeout=60)
     assert not r.success and "slot_disk = 64 MiB" in r.error, (r.output, r.error)
-    r = await bash(backend, hog, "head -c 100M /dev/zero > /big 2>&1; echo rc=$?")
+    r = await bash(backend, hog, "rm -f /opt/f*; head -c 100M /dev/zero > /big 2>&1; echo rc=$?")
     assert "File size limit exceeded" in r.output  # no single file outgrows the limit
     r = await bash(backend, hog, "rm -f /opt/f* /big; echo cleaned")
     assert r.success and r.output == "cleaned\n"
     assert (await bash(backend, other, "echo ok")).output == "ok\n"
+
+
+async def test_slot_disk_limit_is_enforced_and_named(make_backend):
+    """Where the machine allows it, each layer is a file system of ``slot_disk`` MiB: the
+    slot's writes past it fail with ENOSPC, and the result names the limit."""
+    backend = await make_backend(slot_disk=64, disk_limit="kernel")
+    pool = backend.get_status()["pools"][backend.default_profile]
+    assert pool["slot_disk"]["mib"] == 64 and pool["slot_disk"]["enforced"].startswith("kernel")
+    hog = await backend.acquire("hog")
+    r = await bash(backend, hog, "for i in $(seq 100); do head -c 1048576 /dev/zero > /opt/f$i "
+                                 "|| break; done; ls /opt/f* | wc -l", timeout=60)
+    assert "No space left on device" in r.output, (r.output, r.error)
+    assert 50 <= int(r.output.split()[-1]) <= 64, r.output
+    assert not r.success and "slot_disk = 64 MiB" in r.error, (r.output, r.error)
+    r = await bash(backend, hog, "rm -f /opt/f*; head -c 16M /dev/zero > /opt/g && echo wrote")
+    assert r.success and r.output == "wrote\n", (r.output, r.error)
 
 
 async def test_workspace_only_mode_is_explicit(make_backend):

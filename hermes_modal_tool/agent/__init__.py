@@ -34,6 +34,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.trees", "agent/trees.py"),
     ("hermes_modal_tool.agent.beneath", "agent/beneath.py"),
     ("hermes_modal_tool.agent.layerspares", "agent/layerspares.py"),
+    ("hermes_modal_tool.agent.slotdisk", "agent/slotdisk.py"),
     ("hermes_modal_tool.agent.rootfs", "agent/rootfs.py"),
     ("hermes_modal_tool.agent.rootprobe", "agent/rootprobe.py"),
     ("hermes_modal_tool.agent.slottmpfs", "agent/slottmpfs.py"),

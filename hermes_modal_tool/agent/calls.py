@@ -152,6 +152,8 @@ class Calls:
             watched = diskwatch.watched(self, slot)
             if watched:
                 done = self._disk_checked(slot, done)
+            elif self.layer_disks is not None and slot.root is not None:
+                done = self._disk_full_checked(slot, done)  # the kernel's limit (slotdisk.py)
             if getattr(self, "shm_watch", None) is not None:  # no bwrap (agent/shmwatch.py)
                 done = self.shm_watch.checked(slot, done)
             live = OutputStream(self, slot.shell, msg.get("id"), raw) if msg.get("stream") else None

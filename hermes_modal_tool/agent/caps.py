@@ -16,7 +16,7 @@ def tmpfs_mb_for(limits):
 
 def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolation="bwrap",
                 shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note="",
-                cpu_controller=None):
+                cpu_controller=None, disk_plan=(None, None, False, "")):
     """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ..., "cpu": ...}``, each with
     the cap (MiB, a count, cores) and ``enforced``: how, or ``"none"`` with the reason.
 
@@ -33,6 +33,7 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
             (:meth:`.shmwatch.ShmWatch.caps`), or None and ``shm_note`` says why.
         cpu_controller: with cgroups, whether the cpu controller is there (a delegated
             cgroup v2 may lack it); None: it is.
+        disk_plan: :func:`.slotdisk.plan`'s ``(disks, size_mb, default, note)``.
     """
     cgroup = limit_mode.startswith("cgroup")
     v2 = limit_mode == "cgroup-v2"
@@ -69,12 +70,22 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
                  "enforced": "size cap per mount" + (
                      ", pages charged to the slot's memory cgroup" if cgroup else
                      " (each place, not a slot total: %s)" % (tmpfs_note or "no cgroups"))}
+    disks, disk_mb, disk_default, disk_note = disk_plan
+    if disks is not None:
+        disk = {"mib": disks.size_mb, "inodes": disks.inodes, "default": disk_default,
+                "enforced": "kernel: each writable layer is a file system of its own (ext4 on "
+                            "a loop device) of this size and inode count; past it, ENOSPC",
+                "note": disk_note}
+        return _report(limits, limit_mode, cpu_controller, memory, tmpfs, disk)
     if not slot_disk_mb:
-        disk = {"mib": None, "enforced": "none", "note": "set slot_disk to cap what a slot writes"}
+        disk = {"mib": None, "enforced": "none",
+                "note": "set slot_disk to have what a slot writes watched (no kernel limit "
+                        "here: %s)" % (disk_note or "no layered root")}
     elif filesystem == "overlay":
         disk = {"mib": slot_disk_mb, "enforced": "watched",
                 "note": "measured every %gs while a command runs and when it ends; the "
-                        "command is stopped past the limit" % DISK_WATCH_S}
+                        "command is stopped past the limit (no kernel limit here: %s)"
+                        % (DISK_WATCH_S, disk_note)}
     elif isolation != "bwrap":
         disk = {"mib": slot_disk_mb, "enforced": "watched",
                 "note": "its workspace plus what the slot's uid owns in /tmp, /var/tmp and "
@@ -83,6 +94,12 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
     else:
         disk = {"mib": slot_disk_mb, "enforced": "none",
                 "note": "no layered root: the limit is not applied"}
+    return _report(limits, limit_mode, cpu_controller, memory, tmpfs, disk)
+
+
+def _report(limits, limit_mode, cpu_controller, memory, tmpfs, disk):
+    cgroup = limit_mode.startswith("cgroup")
+    v2 = limit_mode == "cgroup-v2"
     pids = {"count": limits.get("pids"),
             "enforced": "cgroup pids.max" if cgroup else "RLIMIT_NPROC (per uid)"}
     cpu_on = cpu_controller if cpu_controller is not None else cgroup

@@ -11,6 +11,7 @@ against its memory share too, with or without ``slot_disk`` (:mod:`.shmwatch`).
 """
 
 import asyncio
+import os
 import stat
 
 from .trees import walk_path
@@ -20,16 +21,41 @@ SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 def watched(agent, slot):
-    """Is ``slot``'s disk use watched against ``slot_disk``?"""
+    """Is ``slot``'s disk use watched against ``slot_disk``? Not where the kernel
+    enforces it (:mod:`.slotdisk`)."""
     return bool(agent.slot_disk_mb) and (
-        slot.root is not None or (agent.isolation != "bwrap" and slot.uid is not None))
+        (slot.root is not None and getattr(agent, "layer_disks", None) is None)
+        or (agent.isolation != "bwrap" and slot.uid is not None))
 
 
 def usage_fn(slot):
     """A blocking ``() -> bytes`` measuring what ``slot`` wrote (see the module doc)."""
     if slot.root is not None:
-        return slot.root.usage_bytes
+        return lambda: layer_bytes(slot.root)
     return lambda: uid_usage_bytes(slot.uid, slot.ws_host, SHARED_PLACES)
+
+
+def layer_bytes(root):
+    """Bytes the slot of ``root`` (a :class:`.rootfs.SlotRoot`) has written in its layer in
+    use: its own file system's usage when it has one (deleted-but-open files count too:
+    ``statvfs``, O(1)), else its blocks, walked (linear in its files) with directory
+    descriptors (``trees.walk_tree``): the slot may change the layer meanwhile, and the
+    walk never follows its links or leaves the layer; a directory moved during the walk
+    ends it early (what was counted is returned)."""
+    layer = root.active
+    if layer is None:
+        return 0
+    if layer.disk is not None:
+        return root.disks.used(layer.disk)[0]
+    total = [0]
+
+    def visit(fd, name, st):
+        total[0] += st.st_blocks * 512
+        return stat.S_ISDIR(st.st_mode)
+
+    for sub in ("upper", "layers"):
+        walk_path(os.path.join(layer.dir, sub), visit)
+    return total[0]
 
 
 def uid_usage_bytes(uid, workspace, shared):
@@ -79,6 +105,34 @@ class DiskWatch:
             if self._disk_over(used) and slot.shell.collector is collector:
                 slot.shell.cancel(self._disk_message(used))
                 return
+
+    def _disk_full_checked(self, slot, done):
+        """Where the kernel enforces the limit (:mod:`.slotdisk`): name it in a bash
+        call's result when the command filled the slot's layer (full as it ends, not as it
+        was queued; one ``statvfs`` each, on the loop: O(1))."""
+        disks = self.layer_disks
+
+        def full():
+            layer = slot.root.active if slot.root is not None else None
+            disk = layer.disk if layer is not None else None
+            return disk is not None and disks.full(disk)
+
+        was_full = full()
+
+        def finish(result):
+            if not was_full and full():
+                if not result.get("error"):
+                    result["error"] = (
+                        "the slot's disk is full (slot_disk = %d MiB, %d inodes, enforced by "
+                        "the kernel): writes in the slot fail with ENOSPC. Remove files to go "
+                        "on." % (disks.size_mb, disks.inodes))
+                    if result.get("returncode") == 0:
+                        result["returncode"] = 1
+                data = result.get("data")
+                if isinstance(data, dict):
+                    data.setdefault("limits_hit", []).append("disk")
+            done(result)
+        return finish
 
     def _disk_checked(self, slot, done):
         """Wrap a bash call's ``done``: measure the writable layer once more before the

@@ -63,6 +63,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.template_dir = None  # the slots' template layers' tmpfs (see setup, rootfs)
         self.shared_template = None  # the slots' shared template layer (rootplan.SharedTemplate)
         self.layer_spares = None  # kept layer directories (see setup, layerspares)
+        self.layer_disks = None  # the layers' file systems (see setup, slotdisk)
         self.unstarted = {}  # id(msg) -> a call that has not started yet
         self.notices = []  # heap of (when to notice, seq, id(msg))
         self.notice_seq = itertools.count()
@@ -377,6 +378,8 @@ class Agent(Setup, Calls, DiskWatch):
                     slot.root.teardown()
                 except OSError as exc:
                     sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
+        if self.layer_disks is not None:  # the layers' file systems (agent/slotdisk.py)
+            await self.loop.run_in_executor(None, self.layer_disks.close)
         if self.template_dir:
             try:
                 rootfs.umount(self.template_dir)

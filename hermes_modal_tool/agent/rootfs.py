@@ -33,10 +33,12 @@ works here):
   (``state/tpl/slot_N``, owned by its uid) from the plan;
 - per tenant: a fresh, empty upper directory, then ``mount -t overlay`` with
   ``lowerdir=template:root`` at ``state/fs/slot_N/merged``. bwrap binds that as the slot's
-  ``/``.
+  ``/``. With ``slot_disk`` enforced by the kernel (:mod:`.slotdisk`), upper and work are
+  on a file system of the layer's own (a detached mount, ``/proc/self/fd/N``).
 
-Reset unmounts the overlay, renames the upper into a trash directory (removed later, off the
-event loop) and mounts a fresh one: its cost does not depend on what the slot wrote.
+Reset unmounts the overlay and drops the upper (renamed into a trash directory, removed
+later, off the event loop; or its own file system let go): its cost does not depend on
+what the slot wrote.
 
 Snapshots and forks (:mod:`.snapshots`): :meth:`SlotRoot.freeze` unmounts the layer in use
 and keeps its directory as a frozen layer; :meth:`SlotRoot.build_on` stacks a new, empty
@@ -51,10 +53,9 @@ Where the kernel says no (not root, no ``open_tree``, overlay refused),
 
 import errno
 import os
-import stat
 import threading
 
-from . import trees
+from . import slotdisk, trees
 from .mounts import (
     MS_RDONLY,
     mount_idmapped,
@@ -74,6 +75,7 @@ class _Layer:
         self.dir = path
         self.merged = os.path.join(path, "merged")
         self.mounted = []  # overlay mount points, in mount order
+        self.disk = None  # the detached file system of upper and work (.slotdisk), or None
         self.stack = stack  # the frozen layer (snapshot) this one sits on, or None
         self.lower_mounts = []  # idmapped mounts of frozen layers (unmounted after the overlays)
         self._dirs = {}
@@ -82,7 +84,8 @@ class _Layer:
         """``(upper, work)`` of mount ``i``."""
         got = self._dirs.get(i)
         if got is None:
-            top = self.dir if i == 0 else os.path.join(self.dir, "layers", str(i))
+            top = self.dir if self.disk is None else slotdisk.fd_path(self.disk)
+            top = top if i == 0 else os.path.join(top, "layers", str(i))
             got = self._dirs[i] = (os.path.join(top, "upper"), os.path.join(top, "work"))
         return got
 
@@ -116,6 +119,7 @@ class SlotRoot:
         self.plan = plan
         self.trash = trash
         self.spares = spares  # the sandbox's kept layer directories (.layerspares)
+        self.disks = None  # the sandbox's layer file systems (.slotdisk.LayerDisks) or None
         self.dirs = list(dirs)
         self.active = None
         self.standby = None
@@ -193,7 +197,8 @@ class SlotRoot:
             return layer
 
     def retire(self, layer):
-        """Unmount a dropped layer and move it to the trash; return the path to delete.
+        """Unmount a dropped layer and move it to the trash; return the path to delete (None
+        when the layer had a file system of its own: the kernel frees it).
 
         The first one also marks ``base`` (:func:`.trees.spread_subdirs`): from then on,
         each new layer of the slot is made in a block group apart from the ones where
@@ -206,6 +211,10 @@ class SlotRoot:
             self._spread = True
             trees.spread_subdirs(self.base)
         _unmount_layer(layer)
+        if layer.disk is not None:  # its own file system: the kernel frees it (.slotdisk)
+            _release_disk(self.disks, layer)
+            trees.remove_tree(layer.dir)  # ``merged`` (and a fork's ``lower``): a few rmdir
+            return None
         dest = os.path.join(self.trash, "%s-%s" % (os.path.basename(self.base),
                                                    os.path.basename(layer.dir)))
         os.rename(layer.dir, dest)
@@ -263,10 +272,14 @@ class SlotRoot:
             self._attach_lowers()
             self._seq += 1
             layer = _Layer(os.path.join(self.base, "layer-%d" % self._seq), stack)
-        if stack is None and len(self.plan.mounts) == 1 and self.spares is not None \
+        if self.disks is not None:  # upper and work on a file system of their own (.slotdisk)
+            os.mkdir(layer.dir, 0o700)
+            layer.disk = self.disks.attach(self.uid, self.gid)
+        elif stack is None and len(self.plan.mounts) == 1 and self.spares is not None \
                 and self.spares.take(layer.dir, self.uid, self.gid):
             return layer
-        os.mkdir(layer.dir, 0o700)
+        else:
+            os.mkdir(layer.dir, 0o700)
         os.chown(layer.dir, self.uid, self.gid)
         for i in range(len(self.plan.mounts)):
             upper, work = layer.dirs(i)
@@ -305,6 +318,7 @@ class SlotRoot:
             return self._mount(layer, ["%s:%s" % (self._template_of(i), lower)
                                        for i, lower in enumerate(self._lowers)])
         except OSError:
+            _release_disk(self.disks, layer)
             trees.remove_tree(layer.dir)  # nothing is mounted on it (_mount unmounted it)
             raise
 
@@ -357,6 +371,7 @@ class SlotRoot:
             return self._mount(layer, per_mount, "redirect_dir=follow")
         except OSError:
             _unmount_layer(layer)
+            _release_disk(self.disks, layer)
             raise
 
     def _root_view(self, i):
@@ -419,6 +434,9 @@ class SlotRoot:
         if layer is None:
             raise OSError(errno.ENOENT, "the slot has no layer in use to freeze")
         _unmount_layer(layer)
+        if layer.disk is not None:  # kept mounted at its directory while the snapshot is
+            self.disks.attach_at(layer.disk, layer.dir)
+            layer.disk, layer._dirs = None, {}
         return layer
 
     def point_current(self):
@@ -444,6 +462,7 @@ class SlotRoot:
             for layer in (self.active, self.standby):
                 if layer is not None:
                     _unmount_layer(layer)
+                    _release_disk(self.disks, layer)
             self.active = self.standby = None
             for target in reversed(self._view_mounts):
                 umount(target)
@@ -458,27 +477,11 @@ class SlotRoot:
                 os.close(fd)
             self._userns = {}
 
-    def usage_bytes(self):
-        """Bytes the slot has written (its writable layer's blocks); linear in its files.
 
-        Walked with directory descriptors (``trees.walk_tree``): the slot may change the
-        layer meanwhile, and the walk never follows its links or leaves the layer. A
-        directory moved during the walk ends it early (what was counted is returned).
-        """
-        from .trees import walk_path
-
-        layer = self.active
-        if layer is None:
-            return 0
-        total = [0]
-
-        def visit(fd, name, st):
-            total[0] += st.st_blocks * 512
-            return stat.S_ISDIR(st.st_mode)
-
-        for sub in ("upper", "layers"):
-            walk_path(os.path.join(layer.dir, sub), visit)
-        return total[0]
+def _release_disk(disks, layer):
+    if layer.disk is not None:
+        disks.release(layer.disk)
+        layer.disk = None
 
 
 def _unmount_layer(layer):

@@ -18,6 +18,7 @@ from . import (
     rootplan,
     rootprobe,
     shmwatch,
+    slotdisk,
     slottmpfs,
     trees,
 )
@@ -64,6 +65,7 @@ class Setup:
         self.image_root = cfg.get("image_root") or None  # an unpacked image: the slots' lower
         self.image_bash = cfg.get("image_bash") or None  # the host's static bash, if needed
         self.filesystem, filesystem_note = self._choose_filesystem(cfg)
+        self.layer_disks, disk_mb, disk_default, disk_note = slotdisk.plan(self, cfg)
         limits = dict(cfg.get("limits", {}))
         self.tmpfs_mb = caps.tmpfs_mb_for(limits)
         limits.setdefault("sandbox_pids", (limits.get("pids") or 0) * cfg["slots"] + 64
@@ -111,7 +113,8 @@ class Setup:
                                      self.slot_disk_mb, self.isolation, bool(tmpfs_root),
                                      self.contain_root, tmpfs_note,
                                      self.shm_watch.caps() if self.shm_watch else None, shm_note,
-                                     self._cpu_controller())
+                                     self._cpu_controller(),
+                                     (self.layer_disks, disk_mb, disk_default, disk_note))
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "python": "%d.%d.%d" % sys.version_info[:3],
@@ -126,7 +129,7 @@ class Setup:
             "filesystem": self.filesystem,
             "filesystem_note": filesystem_note,
             "caps": slot_caps,
-            "slot_disk": slot_caps["disk"] if self.slot_disk_mb else None,
+            "slot_disk": slot_caps["disk"] if slot_caps["disk"]["mib"] else None,
             "gpu": dict(self.gpu.report, cgroup=self.cgroups.name if self.cgroups else None)
             if self.gpu else None,
         }

@@ -45,6 +45,7 @@ class SlotRuntime:
                 agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir, isolation.CTL_PATH],
                 os.path.join(agent.template_dir, "slot_%d" % index), agent.layer_spares,
                 agent.shared_template)
+            self.root.disks = agent.layer_disks  # each layer a file system of its own, or None
             if "HOME" not in agent.config.get("env", {}):
                 self.env["HOME"] = "/root"  # a container's root; the profile may say otherwise
             self.start_dir = agent.workdir or self.ws_path

@@ -33,7 +33,7 @@ state looks like its own files, owned by its root.
 
 import re
 
-from . import trees
+from . import diskwatch, slotdisk
 
 #: Messages handled here.
 OPS = ("snapshot", "fork", "release_snapshot", "snapshots", "export_snapshot", "import_snapshot")
@@ -134,7 +134,8 @@ class SnapshotStore:
 
     async def _delete(self, path):
         loop = self.agent.loop
-        await loop.run_in_executor(self.agent.executor("files"), trees.remove_tree, path)
+        await loop.run_in_executor(self.agent.executor("files"), slotdisk.drop,
+                                   self.agent.layer_disks, path)
 
 
 def store(agent):
@@ -271,7 +272,7 @@ async def snapshot(agent, msg):
     await _claim(slot, msg.get("id"))
     try:
         state = await capture_state(slot)
-        size = await agent.loop.run_in_executor(agent.executor("files"), slot.root.usage_bytes)
+        size = await agent.loop.run_in_executor(agent.executor("files"), diskwatch.layer_bytes, slot.root)
         cap = msg.get("cap_bytes")
         if cap is not None and st.total_bytes() + size > cap:
             raise SnapshotError(

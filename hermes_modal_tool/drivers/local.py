@@ -404,6 +404,7 @@ class LocalDriver(Driver):
             "workdir": config.workdir,
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
+            "disk_limit": config.disk_limit,
             "hide_host_top": True,
             "layered_root_known": self._device() in _LAYERED_OK,
             "masked": await root_only_files()

@@ -362,6 +362,7 @@ class ModalDriver(Driver):
             "workdir": config.workdir,
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
+            "disk_limit": config.disk_limit,
             "heartbeat": {"file": HEARTBEAT_FILE, "every": config.heartbeat_timeout / 6},
             "gpu": container_init(config),  # the container's GPUs, found by the agent
         }

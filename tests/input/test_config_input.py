@@ -44,6 +44,7 @@ BAD: dict[str, list[Any]] = {
     "snapshot_disk": [0, -1, "1G", 1.5, 10**12, None],
     "setup": ["echo hi", [1], {"a": 1}, 5],
     "filesystem": ["overlay2", "", "none", 5, None],
+    "disk_limit": ["quota", "", "none", 5, None],
     "network": ["loopback", 2, [], None],
     "isolation": ["docker", "", True, None],
     "slot_memory": [0, -1, "1G", 1.5, []],

@@ -68,12 +68,34 @@ class SandboxView:
 
 
 def host_workspace(backend, slot) -> Path:
-    """Where ``slot``'s workspace lives on the host (the local driver's layout)."""
+    """Where ``slot``'s workspace lives on the host (the local driver's layout): in its
+    layer's upper directory; where that is a file system of its own (``slot_disk``
+    enforced by the kernel: a detached mount), through the slot's root in the agent's
+    mount namespace (``/proc/AGENT/root``)."""
     root = Path(backend.get_status()["drivers"]["local"]["state_root"]) / slot.sandbox_id
-    layer = root / "fs" / f"slot_{slot.index}" / "current" / "upper"  # the layer in use
-    if layer.is_dir():
-        return layer / slot.workspace_dir.lstrip("/")
+    current = root / "fs" / f"slot_{slot.index}" / "current"  # the layer in use
+    if (current / "upper").is_dir():
+        return current / "upper" / slot.workspace_dir.lstrip("/")
+    if current.is_symlink():
+        return agent_view(current.parent / os.readlink(current) / "merged") / slot.workspace_dir.lstrip("/")
     return root / "ws" / Path(slot.workspace_dir).name
+
+
+def mount_points(pid: int) -> set[str]:
+    """The mount points in process ``pid``'s mount namespace (``mountinfo``)."""
+    try:
+        return {line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
+    except OSError:
+        return set()
+
+
+def agent_view(mount_point: Path) -> Path:
+    """``mount_point`` (a mount in an agent's private mount namespace) reached from the
+    host through that agent (``/proc/AGENT/root``)."""
+    for pid, proc in processes().items():
+        if proc.is_agent and str(mount_point) in mount_points(pid):
+            return Path(f"/proc/{pid}/root{mount_point}")
+    raise AssertionError(f"{mount_point} is mounted in no agent's mount namespace")
 
 
 async def slot_uid(backend, slot) -> int:

@@ -301,7 +301,7 @@ async def test_disk_measurement_never_follows_a_link_the_slot_swaps_in(mode_back
     (A path-based walk could be steered into the host's tree only in a narrow window
     between listing a directory and entering it, so this cannot force the old flaw; it
     checks that the walk holds up while the layer changes under it.)"""
-    backend = await mode_backend(**SMALL, slot_disk=64)
+    backend = await mode_backend(**SMALL, slot_disk=64, disk_limit="watch")
     disk = backend.get_status()["pools"][backend.default_profile]["caps"]["disk"]
     watched = layered(backend) or mode_backend.mode == "modal-nobwrap"  # its layer, or its uid's files
     assert disk["enforced"] == ("watched" if watched else "none"), disk
