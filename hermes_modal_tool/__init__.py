@@ -29,6 +29,7 @@ from .errors import (
 from .processes import SlotProcess
 from .slots import ExecutionResult, OutputEvent, Slot, SlotState, ToolResult
 from .snapshots import SlotSnapshot
+from .usage import Usage
 
 __version__ = "0.1.0"
 
@@ -59,6 +60,7 @@ __all__ = [
     "SnapshotError",
     "ToolBackend",
     "ToolResult",
+    "Usage",
     "UsageError",
     "load_profiles",
 ]

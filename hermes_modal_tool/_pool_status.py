@@ -48,5 +48,6 @@ class PoolStatus:
             "abstract_sockets": self.info.get("abstract_sockets"),
             "network": self.config.network,
             **self.stats,
+            "usage": self.usage_status(),
             "last_error": self.last_error,
         }

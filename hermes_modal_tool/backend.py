@@ -37,6 +37,7 @@ from .processes import ProcessMethods
 from .shared_setup import SharedSetups
 from .slots import ExecutionResult, OutputEvent, Slot, execution_id
 from .snapshots import SlotSnapshot, Snapshots
+from .usage import Usage
 
 
 class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods):
@@ -300,12 +301,18 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         return await pool.acquire(trajectory_id if trajectory_id is not None
                                   else f"traj-{uuid.uuid4().hex[:12]}")
 
-    async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
+    async def release(self, slot: Slot, reset_workspace: bool = False) -> Usage | None:
         """Return a slot. The next holder always gets an empty workspace and a fresh
         shell; ``reset_workspace=True`` does that reset before returning (with a layered
         root: once each of the old tenant's processes has been sent SIGKILL; they end and
         the slot is torn down in the sandbox meanwhile, and the slot's next call waits for
         that, see ``agent/slot.py``).
+
+        Returns:
+            What the trajectory used while it held the slot (:class:`Usage`: wall time,
+            CPU, peak memory, disk, calls by tool, GPU time; measured before the reset,
+            one round trip to the sandbox's agent). None after ``stop()``, and for a slot
+            whose sandbox died that was released once already.
 
         Raises:
             UsageError: the slot is not held (already released, or not a Slot).
@@ -313,12 +320,27 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         if not isinstance(slot, Slot):
             raise UsageError(f"release() takes a Slot, got {type(slot).__name__}")
         if self._closed:
-            return
+            return None
         self._check_open()
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-        await pool.release(slot, reset_workspace=reset_workspace)
+        return await pool.release(slot, reset_workspace=reset_workspace)
+
+    async def usage(self, slot: Slot) -> Usage:
+        """What the slot's holder has used so far (a :class:`Usage`, as ``release`` returns).
+
+        Raises:
+            UsageError: the slot is not held (released, its sandbox gone, not a Slot).
+            BackendClosedError: after ``stop()``.
+        """
+        if not isinstance(slot, Slot):
+            raise UsageError(f"usage() takes a Slot, got {type(slot).__name__}")
+        self._check_open()
+        pool = self._pools.get(slot.profile)
+        if pool is None:
+            raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
+        return await pool.usage(slot)
 
     # -- execution ---------------------------------------------------------------------
     async def execute_batch(

@@ -45,6 +45,7 @@ EXPECTED_ALL = [
     "SnapshotError",
     "ToolBackend",
     "ToolResult",
+    "Usage",
     "UsageError",
     "load_profiles",
 ]

@@ -30,6 +30,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.procs", "agent/procs.py"),
     ("hermes_modal_tool.agent.rootplan", "agent/rootplan.py"),
     ("hermes_modal_tool.agent.trees", "agent/trees.py"),
+    ("hermes_modal_tool.agent.usage", "agent/usage.py"),
     ("hermes_modal_tool.agent.layerspares", "agent/layerspares.py"),
     ("hermes_modal_tool.agent.rootfs", "agent/rootfs.py"),
     ("hermes_modal_tool.agent.rootprobe", "agent/rootprobe.py"),

@@ -24,6 +24,8 @@ from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
 from .diskwatch import DiskWatch
 from .setup import Setup
 from .shell import SPAWN_THREADS
+from .usage import dispatch as dispatch_usage
+from .usage import new_tenant
 
 #: Idle slots whose shells are started before their first call, in the order the host
 #: hands fresh slots out (lowest index first), so that a first command finds a ready
@@ -128,6 +130,8 @@ class Agent(Setup, Calls, DiskWatch):
             pass  # the owner is alive (noted by _InProtocol for the heartbeat)
         elif op == "process":
             ptyprocs.dispatch(self, msg)  # a slot's processes (agent/ptyprocs.py)
+        elif op == "usage":
+            dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/usage.py)
         elif op == "ack":
             streaming.on_ack(self, msg)  # the host got streamed output (agent/streaming.py)
         elif op in snapshots.OPS:
@@ -198,6 +202,7 @@ class Agent(Setup, Calls, DiskWatch):
 
         try:
             await slot.reset(on_killed=answer)
+            new_tenant(self, slot)  # the old tenant's processes are gone
         except Exception as exc:
             if answered:  # the slot stays as it is; its next call tries again
                 sys.stderr.write("hermes-modal-tool agent: slot %d: reset failed after its "

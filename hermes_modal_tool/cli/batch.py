@@ -23,6 +23,7 @@ from ..errors import HermesModalToolError, SetupError
 from ..protocol import MAX_TIMEOUT_S
 from ..slots import ExecutionResult
 from ..status import status_table
+from ..usage import total_usage
 from ._batch_file import Call, Trajectory, parse_batch
 from ._common import InputError, Stopped, make_console, make_profiles, run_stoppable
 from ._live_progress import LiveLines, LiveProgress
@@ -252,7 +253,9 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
             if live is not None:
                 live.done(traj.id)
             try:
-                await backend.release(slot, reset_workspace=True)
+                used = await backend.release(slot, reset_workspace=True)
+                if used is not None:
+                    record["usage"] = used.as_dict()
             except HermesModalToolError as exc:
                 record["error"] = f"release failed: {exc}"
     record["ok"] = record["error"] is None and all(s["expectation_met"] for s in record["steps"])
@@ -272,6 +275,7 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
     t_start = time.monotonic()
     ok = 0
     sandboxes = 0
+    usages: list[dict[str, Any]] = []
     by_id = {t.id: t for t in trajectories}
     forks: Forks | None = None
     try:
@@ -289,6 +293,8 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
                                           stats, progress.advance, forks,
                                           None if use_forks else replayed(traj, by_id), progress.live)
             ok += record["ok"]
+            if "usage" in record:
+                usages.append(record["usage"])
             writer.put(i, record)
 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(trajectories)))
@@ -304,7 +310,7 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
             "startup_s": t_run - t_start, "run_s": t_end - t_run, "wall_s": t_end - t_start,
             "p50": percentile(stats.latencies, 50), "p99": percentile(stats.latencies, 99),
             "sandboxes": sandboxes, "status": final_status, "forks": use_forks,
-            "setups": final_status.get("setups", {})}
+            "setups": final_status.get("setups", {}), "usage": total_usage(usages)}
 
 
 def _ms(seconds: float | None) -> str:
@@ -327,6 +333,14 @@ def summary_table(s: Mapping[str, Any]) -> Table:
         ("call latency p99", _ms(s["p99"])),
         ("forks and shared setups", "used" if s.get("forks", True) else "off (--no-fork: each redoes its setup)"),
     ]
+    used = s.get("usage")
+    if used and used["trajectories"]:
+        cpu = ("-" if used["unknown"].get("cpu_user_s") == used["trajectories"]
+               else f"{used['cpu_user_s'] + used['cpu_system_s']:.2f} s")
+        rows.append(("usage (sum over trajectories)",
+                     f"held {used['wall_s']:.2f} s, CPU {cpu}, disk {used['disk_bytes'] / 1e6:.1f} MB, "
+                     f"peak memory {used['memory_peak_bytes'] / 1e6:.1f} MB"
+                     + (f", GPU {used['gpu_s']:.1f} s" if used["gpu_s"] else "")))
     for key, setup in (s.get("setups") or {}).items():
         rows.append((f"setup {key[:12]}", f"ran {setup['runs']}x, {setup.get('seconds', '-')} s"
                      + (f", {setup['failures']} failed" if setup.get("failures") else "")))

@@ -1,0 +1,164 @@
+"""OpenTelemetry spans for the engine's operations, when ``opentelemetry-api`` is installed.
+
+Install the ``otel`` extra (``pip install 'hermes-modal-tool[otel]'``) and configure a
+tracer provider as usual (``opentelemetry.trace.set_tracer_provider``); the engine then
+emits, under the instrumentation scope ``hermes_modal_tool``:
+
+=============================  ====================================================
+span                           attributes (``hmt.`` prefix)
+=============================  ====================================================
+``hermes_modal_tool.acquire``  profile, trajectory_id, slot_id, sandbox_id
+``hermes_modal_tool.execute``  one per tool call: tool, slot_id, trajectory_id,
+                               exit_code, success, timed_out, queue_s (waiting: for
+                               the slot's earlier calls, its shell, admission, the
+                               stream) and run_s (the command's own run time)
+``hermes_modal_tool.release``  slot_id, trajectory_id, and the :class:`Usage` figures
+``hermes_modal_tool.snapshot`` slot_id, snapshot_id, size_bytes
+``hermes_modal_tool.fork``     snapshot_id, count
+``hermes_modal_tool.sandbox.start`` / ``.stop``  profile, sandbox_id, driver
+=============================  ====================================================
+
+Each span is a child of the caller's current span (contexts follow asyncio tasks), or
+of a W3C ``traceparent`` the caller gives with :func:`use_traceparent`. A failed
+operation's span records the exception and has status ERROR.
+
+Without the package nothing of OpenTelemetry is imported: :func:`span` returns one
+shared do-nothing context manager and :data:`ENABLED` is False (a check of a global).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+#: Whether ``opentelemetry-api`` is installed (checked without importing it).
+ENABLED = importlib.util.find_spec("opentelemetry") is not None
+
+SCOPE = "hermes_modal_tool"
+_tracer: Any = None
+
+
+class _NullSpan:
+    """What :func:`span` yields without OpenTelemetry: every method does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NullSpan:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        pass
+
+    def end(self, end_time: int | None = None) -> None:
+        pass
+
+    def is_recording(self) -> bool:
+        return False
+
+
+NULL_SPAN = _NullSpan()
+
+
+def _get_tracer() -> Any:
+    global _tracer
+    if _tracer is None:
+        from opentelemetry import trace
+
+        from . import __version__
+        _tracer = trace.get_tracer(SCOPE, __version__)
+    return _tracer
+
+
+def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``hmt.``-prefixed attributes, without None values (OpenTelemetry drops them noisily)."""
+    if not attributes:
+        return {}
+    return {f"hmt.{k}": v for k, v in attributes.items() if v is not None}
+
+
+def span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
+    """A context manager: a span ``hermes_modal_tool.{name}`` made current while it is
+    entered (the null span without OpenTelemetry). Exceptions are recorded on it."""
+    if not ENABLED:
+        return NULL_SPAN
+    return _get_tracer().start_as_current_span(f"{SCOPE}.{name}", attributes=_clean(attributes))
+
+
+def start_span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
+    """A span started now as a child of the current one, not made current; the caller
+    ends it (``span.end()``). The null span without OpenTelemetry."""
+    if not ENABLED:
+        return NULL_SPAN
+    return _get_tracer().start_span(f"{SCOPE}.{name}", attributes=_clean(attributes))
+
+
+def set_attributes(target: Any, attributes: Mapping[str, Any]) -> None:
+    """Add ``hmt.`` attributes to a span (None values left out)."""
+    if ENABLED and target is not NULL_SPAN:
+        target.set_attributes(_clean(attributes))
+
+
+def end_error(target: Any, exc: BaseException) -> None:
+    """Record ``exc`` on a span from :func:`start_span`, set status ERROR and end it."""
+    if not ENABLED or target is NULL_SPAN:
+        return
+    from opentelemetry.trace import Status, StatusCode
+
+    target.record_exception(exc)
+    target.set_status(Status(StatusCode.ERROR, str(exc)))
+    target.end()
+
+
+@contextlib.contextmanager
+def use_traceparent(traceparent: str | Mapping[str, str] | None) -> Iterator[None]:
+    """Make the engine's spans inside the block children of a caller's trace.
+
+    Args:
+        traceparent: a W3C ``traceparent`` header value
+            (``"00-<32 hex trace id>-<16 hex span id>-<2 hex flags>"``), or a mapping of
+            carrier headers (``{"traceparent": ..., "tracestate": ...}``); None: the
+            current context as it is.
+
+    Raises:
+        ValueError: ``traceparent`` is not a valid header (OpenTelemetry would
+            silently start a new trace instead).
+
+    Example:
+        >>> with use_traceparent(request.headers["traceparent"]):  # doctest: +SKIP
+        ...     slot = await backend.acquire("traj-1")
+    """
+    if traceparent is None or not ENABLED:
+        yield
+        return
+    from opentelemetry import context, trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier = {"traceparent": traceparent} if isinstance(traceparent, str) else dict(traceparent)
+    ctx = TraceContextTextMapPropagator().extract(carrier)
+    if not trace.get_current_span(ctx).get_span_context().is_valid:
+        raise ValueError(f"traceparent {carrier.get('traceparent')!r:.120} is not a valid W3C "
+                         "traceparent ('00-<32 hex>-<16 hex>-<2 hex>')")
+    token = context.attach(ctx)
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def current_traceparent() -> str | None:
+    """The current span's W3C ``traceparent`` (None without OpenTelemetry or a span)."""
+    if not ENABLED:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return carrier.get("traceparent")
