@@ -24,7 +24,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from . import streaming
+from . import streaming, tracing
 from ._artifact_api import ArtifactMethods
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
@@ -283,6 +283,16 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             BackendClosedError: after ``stop()``.
         """
         self._check_open()
+        if not tracing.ENABLED:
+            return await self._acquire(trajectory_id, profile, snapshot, setup)
+        with tracing.span("acquire", {"trajectory_id": trajectory_id, "profile": profile}) as span:
+            slot = await self._acquire(trajectory_id, profile, snapshot, setup)
+            tracing.set_attributes(span, {"slot_id": slot.slot_id, "sandbox_id": slot.sandbox_id,
+                                          "profile": slot.profile, "trajectory_id": slot.trajectory_id})
+            return slot
+
+    async def _acquire(self, trajectory_id: str | None, profile: str | None,
+                       snapshot: SlotSnapshot | None, setup: str | list[str] | None) -> Slot:
         if trajectory_id is not None and not isinstance(trajectory_id, str):
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
         if profile is not None and not isinstance(profile, str):
@@ -325,7 +335,15 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-        return await pool.release(slot, reset_workspace=reset_workspace)
+        if not tracing.ENABLED:
+            return await pool.release(slot, reset_workspace=reset_workspace)
+        with tracing.span("release", {"slot_id": slot.slot_id, "trajectory_id": slot.trajectory_id,
+                                      "reset_workspace": reset_workspace}) as span:
+            used = await pool.release(slot, reset_workspace=reset_workspace)
+            if used is not None:
+                tracing.set_attributes(span, {f"usage.{k}": v for k, v in used.as_dict().items()
+                                              if isinstance(v, (int, float, str))})
+            return used
 
     async def usage(self, slot: Slot) -> Usage:
         """What the slot's holder has used so far (a :class:`Usage`, as ``release`` returns).
@@ -396,6 +414,8 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                                       or not timeout_s > 0):
             raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         results: list[ExecutionResult | None] = [None] * len(requests)
+        traced = tracing.ENABLED
+        spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
         touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
         waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str, Any]] = []
         for i, req in enumerate(requests):
@@ -427,6 +447,8 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                 results[i] = submitted
                 continue
             sb, mid, fut, rec = submitted
+            if traced:
+                spans[i] = tracing.call_span(slot, tool)
             touched[sb] = None
             waiting.append((i, pool, tool, slot, sb, mid, fut, execution_id(), rec))
         for sb in touched:
@@ -455,11 +477,15 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                     pool.call_ended(rec, slot)
                 for sb in touched:
                     sb.flush()
+                for span, _ in spans.values():
+                    tracing.end_error(span, asyncio.CancelledError("the batch was cancelled"))
                 raise
             for (i, pool, tool, slot, _sb, _mid, _fut, eid, rec), outcome in zip(waiting, outcomes,
                                                                                   strict=True):
                 pool.call_ended(rec, slot)
                 results[i] = pool.to_result(slot, tool, outcome, eid)
+                if traced:
+                    tracing.end_call_span(*spans[i], results[i])
         return results  # type: ignore[return-value]
 
     async def execute(self, slot: Slot, tool: str, args: Mapping[str, Any], timeout_s: float | None = None,

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tracing
 from ._pool_status import PoolStatus
 from ._pool_usage import PoolUsage
 from .config import SandboxConfig
@@ -35,7 +36,6 @@ from .slots import ExecutionResult, Slot, SlotState
 from .usage import Usage
 
 log = logging.getLogger("hermes_modal_tool")
-_WARNED_WORKSPACE_ONLY: set[str] = set()  # profiles already warned about (once per process)
 
 START_TIMEOUT_S = 120.0
 MAX_CALL_TIMEOUT_S = 86400.0
@@ -157,6 +157,14 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
     # -- sandboxes ---------------------------------------------------------------
     async def _start_one(self, counted: bool = False) -> Sandbox:
         """Start one sandbox and offer its slots. ``counted``: ``_starting`` already includes it."""
+        if not tracing.ENABLED:
+            return await self._start_sandbox(counted)
+        with tracing.span("sandbox.start", {"profile": self.name, "driver": self.config.driver}) as span:
+            sb = await self._start_sandbox(counted)
+            tracing.set_attributes(span, {"sandbox_id": sb.sandbox_id})
+            return sb
+
+    async def _start_sandbox(self, counted: bool) -> Sandbox:
         if not counted:
             self._starting += 1
         sandbox_id = f"{self.name}-{next(self._seq)}"
@@ -197,16 +205,6 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         for rec in reversed(recs):  # slot_0 is taken first
             self._offer(rec, now)
         return sb
-
-    def _warn_workspace_only(self) -> None:
-        """Say once per profile when slots could not get a layered root of their own."""
-        if (self.info.get("filesystem") == "workspace-only" and self.config.filesystem == "auto"
-                and self.name not in _WARNED_WORKSPACE_ONLY):
-            _WARNED_WORKSPACE_ONLY.add(self.name)
-            log.warning("profile %r: slots are workspace-only (no private root filesystem: %s); "
-                        "only the workspace is writable and slots are not root. Set "
-                        "filesystem: workspace-only to silence this.", self.name,
-                        self.info.get("filesystem_note") or "unknown reason")
 
     def _fail_unservable(self, exc: BaseException) -> None:
         """After a failed start, fail the waiters that no other starting sandbox will serve."""

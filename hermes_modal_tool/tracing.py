@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -114,6 +115,36 @@ def end_error(target: Any, exc: BaseException) -> None:
 
     target.record_exception(exc)
     target.set_status(Status(StatusCode.ERROR, str(exc)))
+    target.end()
+
+
+def call_span(slot: Any, tool: str) -> tuple[Any, float]:
+    """An ``execute`` span for one tool call sent now: ``(span, start)`` for
+    :func:`end_call_span`."""
+    return start_span("execute", {"tool": tool, "slot_id": slot.slot_id,
+                                  "sandbox_id": slot.sandbox_id,
+                                  "trajectory_id": slot.trajectory_id}), time.monotonic()
+
+
+def end_call_span(target: Any, started: float, result: Any) -> None:
+    """End a :func:`call_span` with its :class:`ExecutionResult`: exit code, success,
+    the command's own run time (``run_s``, the agent's ``duration_s``) and the rest of
+    the round trip (``queue_s``: waiting for the slot's earlier calls, its shell,
+    admission, and the stream both ways)."""
+    if target is NULL_SPAN:
+        return
+    total = time.monotonic() - started
+    meta = result.metadata
+    run = meta.get("duration_s")
+    run = float(run) if isinstance(run, (int, float)) and not isinstance(run, bool) else 0.0
+    target.set_attributes(_clean({
+        "exit_code": meta.get("returncode"), "success": result.success,
+        "timed_out": bool(meta.get("timed_out")), "run_s": round(run, 6),
+        "queue_s": round(max(0.0, total - run), 6), "execution_id": result.execution_id}))
+    if not result.success:
+        from opentelemetry.trace import Status, StatusCode
+
+        target.set_status(Status(StatusCode.ERROR, (result.error or f"exit {meta.get('returncode')}")[:200]))
     target.end()
 
 
