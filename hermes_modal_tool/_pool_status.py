@@ -61,6 +61,7 @@ class PoolStatus:
             "limits_note": self.info.get("limits_note") or None,
             "abstract_sockets": self.info.get("abstract_sockets"),
             "network": self.config.network,
+            "volumes": [v.model_dump() for v in self.config.volumes],
             **self.stats,
             "usage": self.usage_status(),
             "last_error": self.last_error,

@@ -25,6 +25,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.scopes", "agent/scopes.py"),
     ("hermes_modal_tool.agent.sysvipc", "agent/sysvipc.py"),
     ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
+    ("hermes_modal_tool.agent.volumes", "agent/volumes.py"),
     ("hermes_modal_tool.agent.mounts", "agent/mounts.py"),
     ("hermes_modal_tool.agent.cgroups", "agent/cgroups.py"),
     ("hermes_modal_tool.agent.procs", "agent/procs.py"),

@@ -60,6 +60,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.next_fresh = 0  # slots below this index had a shell started or a call
         self.spare_starting = False  # a spare's shell is starting (one at a time)
         self.slot_disk_mb = None
+        self.volumes = []  # the profile's (source, target, read_only) (agent/volumes.py)
         self.filesystem = "workspace-only"
         self.template_dir = None  # the slots' template layers' tmpfs (see setup, rootfs)
         self.shared_template = None  # the slots' shared template layer (rootplan.SharedTemplate)

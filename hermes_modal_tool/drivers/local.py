@@ -33,6 +33,7 @@ from .. import agent
 from ..config import SandboxConfig
 from ..errors import IsolationUnavailableError, SandboxStartError
 from ..secrets import resolve_secrets, secret_dirs
+from ..volumes import agent_config
 from ._rootmask import root_only_files
 from .base import Driver, SandboxHandle
 
@@ -428,6 +429,7 @@ class LocalDriver(Driver):
             "workdir": config.workdir,
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
+            "volumes": agent_config(config.volumes),
             "hide_host_top": True,
             "layered_root_known": self._device() in _LAYERED_OK,
             "masked": await root_only_files()
