@@ -24,8 +24,10 @@ from .errors import (
     SecretNotFoundError,
     SetupError,
     SnapshotError,
+    TransferError,
     UsageError,
 )
+from .filetransfer import Transfer
 from .processes import SlotProcess
 from .slots import ExecutionResult, OutputEvent, Slot, SlotState, ToolResult
 from .snapshots import SlotSnapshot
@@ -60,6 +62,8 @@ __all__ = [
     "SnapshotError",
     "ToolBackend",
     "ToolResult",
+    "Transfer",
+    "TransferError",
     "Usage",
     "UsageError",
     "load_profiles",

@@ -32,6 +32,7 @@ from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .drivers import make_driver
 from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
+from .filetransfer import TransferMethods
 from .pool import SandboxPool
 from .processes import ProcessMethods
 from .shared_setup import SharedSetups
@@ -40,7 +41,7 @@ from .snapshots import SlotSnapshot, Snapshots
 from .usage import Usage
 
 
-class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods):
+class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods, TransferMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,
@@ -344,21 +345,6 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                 tracing.set_attributes(span, {f"usage.{k}": v for k, v in used.as_dict().items()
                                               if isinstance(v, (int, float, str))})
             return used
-
-    async def usage(self, slot: Slot) -> Usage:
-        """What the slot's holder has used so far (a :class:`Usage`, as ``release`` returns).
-
-        Raises:
-            UsageError: the slot is not held (released, its sandbox gone, not a Slot).
-            BackendClosedError: after ``stop()``.
-        """
-        if not isinstance(slot, Slot):
-            raise UsageError(f"usage() takes a Slot, got {type(slot).__name__}")
-        self._check_open()
-        pool = self._pools.get(slot.profile)
-        if pool is None:
-            raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-        return await pool.usage(slot)
 
     # -- execution ---------------------------------------------------------------------
     async def execute_batch(

@@ -45,6 +45,8 @@ EXPECTED_ALL = [
     "SnapshotError",
     "ToolBackend",
     "ToolResult",
+    "Transfer",
+    "TransferError",
     "Usage",
     "UsageError",
     "load_profiles",

@@ -41,6 +41,7 @@ _MODULES = (
     ("hermes_modal_tool.agent.files", "agent/files.py"),
     ("hermes_modal_tool.agent.wipes", "agent/wipes.py"),
     ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),
+    ("hermes_modal_tool.agent.filesums", "agent/filesums.py"),
     ("hermes_modal_tool.agent.admission", "agent/admission.py"),
     ("hermes_modal_tool.agent.output", "agent/output.py"),
     ("hermes_modal_tool.agent.shellprocs", "agent/shellprocs.py"),

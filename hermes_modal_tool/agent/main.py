@@ -22,6 +22,7 @@ from ..deadlines import Deadlines
 from . import admission, mounts, ptyprocs, quiet, rootfs, snapshots, spawner, streaming, trees
 from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
 from .diskwatch import DiskWatch
+from .filesums import dispatch as dispatch_checksum
 from .setup import Setup
 from .shell import SPAWN_THREADS
 from .usage import dispatch as dispatch_usage
@@ -131,6 +132,8 @@ class Agent(Setup, Calls, DiskWatch):
             pass  # the owner is alive (noted by _InProtocol for the heartbeat)
         elif op == "process":
             ptyprocs.dispatch(self, msg)  # a slot's processes (agent/ptyprocs.py)
+        elif op == "checksum":
+            dispatch_checksum(self, msg)  # a file's SHA-256, in a worker thread (agent/filesums.py)
         elif op == "usage":
             dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/usage.py)
         elif op == "ack":
