@@ -284,8 +284,6 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             BackendClosedError: after ``stop()``.
         """
         self._check_open()
-        if not tracing.ENABLED:
-            return await self._acquire(trajectory_id, profile, snapshot, setup)
         with tracing.span("acquire", {"trajectory_id": trajectory_id, "profile": profile}) as span:
             slot = await self._acquire(trajectory_id, profile, snapshot, setup)
             tracing.set_attributes(span, {"slot_id": slot.slot_id, "sandbox_id": slot.sandbox_id,
@@ -336,14 +334,10 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-        if not tracing.ENABLED:
-            return await pool.release(slot, reset_workspace=reset_workspace)
         with tracing.span("release", {"slot_id": slot.slot_id, "trajectory_id": slot.trajectory_id,
                                       "reset_workspace": reset_workspace}) as span:
             used = await pool.release(slot, reset_workspace=reset_workspace)
-            if used is not None:
-                tracing.set_attributes(span, {f"usage.{k}": v for k, v in used.as_dict().items()
-                                              if isinstance(v, (int, float, str))})
+            tracing.set_attributes(span, tracing.usage_attributes(used))
             return used
 
     # -- execution ---------------------------------------------------------------------

@@ -107,6 +107,16 @@ def set_attributes(target: Any, attributes: Mapping[str, Any]) -> None:
         target.set_attributes(_clean(attributes))
 
 
+def usage_attributes(used: Any) -> dict[str, Any]:
+    """A :class:`~hermes_modal_tool.usage.Usage` as ``usage.*`` attributes (numbers and
+    strings; calls by tool as ``usage.calls.{tool}``); empty for None."""
+    if used is None or not ENABLED:
+        return {}
+    out = {f"usage.{k}": v for k, v in used.as_dict().items() if isinstance(v, (int, float, str))}
+    out.update({f"usage.calls.{tool}": n for tool, n in used.calls.items()})
+    return out
+
+
 def end_error(target: Any, exc: BaseException) -> None:
     """Record ``exc`` on a span from :func:`start_span`, set status ERROR and end it."""
     if not ENABLED or target is NULL_SPAN:
