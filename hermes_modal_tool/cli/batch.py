@@ -339,8 +339,13 @@ def summary_table(s: Mapping[str, Any]) -> Table:
                else f"{used['cpu_user_s'] + used['cpu_system_s']:.2f} s")
         rows.append(("usage (sum over trajectories)",
                      f"held {used['wall_s']:.2f} s, CPU {cpu}, disk {used['disk_bytes'] / 1e6:.1f} MB, "
-                     f"peak memory {used['memory_peak_bytes'] / 1e6:.1f} MB"
+                     f"largest peak memory {used['memory_peak_bytes'] / 1e6:.1f} MB"
                      + (f", GPU {used['gpu_s']:.1f} s" if used["gpu_s"] else "")))
+    ledgers = [p["usage"] for p in (s.get("status") or {}).get("pools", {}).values() if "usage" in p]
+    if ledgers:
+        rows.append(("slot time: warm / held / not used by any trajectory",
+                     " / ".join(f"{sum(x[k] for x in ledgers):.1f} s" for k in
+                                ("slot_seconds", "held_seconds", "unattributed_warm_s"))))
     for key, setup in (s.get("setups") or {}).items():
         rows.append((f"setup {key[:12]}", f"ran {setup['runs']}x, {setup.get('seconds', '-')} s"
                      + (f", {setup['failures']} failed" if setup.get("failures") else "")))
