@@ -3,9 +3,11 @@ from its slot's cgroup where there is one; a neighbour's work is not billed to i
 
 from __future__ import annotations
 
+import glob
 import json
+from pathlib import Path
 
-from support import bash
+from support import agent_processes, bash
 
 from hermes_modal_tool import Usage
 from hermes_modal_tool.usage import total_usage
@@ -80,6 +82,20 @@ async def test_pool_status_shows_warm_time_no_trajectory_used(make_backend):
     assert ledger["slot_seconds"] >= 2 * used.wall_s - 0.001
     assert ledger["unattributed_warm_s"] >= ledger["slot_seconds"] - ledger["held_seconds"] - 0.01
     assert ledger["unattributed_warm_s"] >= used.wall_s - 0.001
+
+
+async def test_the_agents_own_threads_are_never_billed_to_a_slot(make_backend):
+    """A shell started from a thread of the agent joins the slot's cgroups with that thread
+    only (agent/threadstart.py); the thread must leave every one of them, cpuacct too, or
+    the agent's own CPU is billed to whichever slot it started a shell for last."""
+    backend = await make_backend(slots_per_sandbox=2)
+    slots = [await backend.acquire(f"t{i}") for i in range(2)]
+    for slot in slots:
+        assert (await bash(backend, slot, "cat /proc/self/cgroup")).success
+    [pid] = agent_processes()
+    seen = [Path(path).read_text() for path in glob.glob(f"/proc/{pid}/task/*/cgroup")]
+    assert seen  # positive control: the agent's threads were read
+    assert not [text for text in seen if "/slot_" in text], seen
 
 
 def test_total_usage_sums_and_keeps_peaks():

@@ -120,6 +120,10 @@ class Cgroups:
             self._made.add(slot)
         return [os.path.join(d, name) for d in dirs.values()]
 
+    def v1_controllers(self):
+        """The v1 controllers whose cgroups the slots join (none on v2 or without cgroups)."""
+        return [] if self.mode != "cgroup-v1" else list(self._bases)
+
     def sandbox_files(self, name):
         """The sandbox's own cgroups' files called ``name`` (``tasks``, say)."""
         return [os.path.join(d, name) for d in self._dirs(None).values()]

@@ -263,7 +263,7 @@ def _killpg(pid: int, sig: int) -> None:
 def _cgroup_dirs(name: str) -> list[Path]:
     """Where the agent of sandbox ``name`` makes its cgroups (v1 controllers, v2)."""
     roots = [Path("/sys/fs/cgroup") / c / "hermes-modal-tool" / name
-             for c in ("memory", "pids", "cpu")]
+             for c in ("memory", "pids", "cpu", "cpuacct")]
     return roots + [Path("/sys/fs/cgroup/unified") / "hermes-modal-tool" / name]
 
 
