@@ -84,6 +84,11 @@ async def test_pool_status_shows_warm_time_no_trajectory_used(make_backend):
     assert ledger["unattributed_warm_s"] >= used.wall_s - 0.001
 
 
+def thread_cgroups(pid: int) -> list[str]:
+    """``/proc/PID/task/*/cgroup`` of each thread of a process."""
+    return [Path(path).read_text() for path in glob.glob(f"/proc/{pid}/task/*/cgroup")]
+
+
 async def test_the_agents_own_threads_are_never_billed_to_a_slot(make_backend):
     """A shell started from a thread of the agent joins the slot's cgroups with that thread
     only (agent/threadstart.py); the thread must leave every one of them, cpuacct too, or
@@ -93,7 +98,7 @@ async def test_the_agents_own_threads_are_never_billed_to_a_slot(make_backend):
     for slot in slots:
         assert (await bash(backend, slot, "cat /proc/self/cgroup")).success
     [pid] = agent_processes()
-    seen = [Path(path).read_text() for path in glob.glob(f"/proc/{pid}/task/*/cgroup")]
+    seen = thread_cgroups(pid)
     assert seen  # positive control: the agent's threads were read
     assert not [text for text in seen if "/slot_" in text], seen
 
