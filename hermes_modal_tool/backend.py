@@ -394,7 +394,7 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                                       or not timeout_s > 0):
             raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         results: list[ExecutionResult | None] = [None] * len(requests)
-        traced = tracing.ENABLED
+        traced = tracing.active()
         spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
         touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
         waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str, Any]] = []

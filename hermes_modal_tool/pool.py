@@ -157,7 +157,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
     # -- sandboxes ---------------------------------------------------------------
     async def _start_one(self, counted: bool = False) -> Sandbox:
         """Start one sandbox and offer its slots. ``counted``: ``_starting`` already includes it."""
-        if not tracing.ENABLED:
+        if not tracing.active():
             return await self._start_sandbox(counted)
         with tracing.span("sandbox.start", {"profile": self.name, "driver": self.config.driver}) as span:
             sb = await self._start_sandbox(counted)

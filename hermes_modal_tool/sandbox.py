@@ -266,7 +266,7 @@ class Sandbox:
     # -- shutdown ------------------------------------------------------------
     async def close(self) -> None:
         """Ask the agent to clean up and exit; then make sure the sandbox is gone."""
-        if not tracing.ENABLED:
+        if not tracing.active():
             return await self._close()
         with tracing.span("sandbox.stop", {"sandbox_id": self.sandbox_id, "died": self.dead or None}):
             await self._close()

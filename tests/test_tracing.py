@@ -24,8 +24,9 @@ def spans(monkeypatch):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer(tracing.SCOPE))
+    tracing.set_tracer(provider.get_tracer(tracing.SCOPE))
     yield exporter
+    tracing.set_tracer(None)
     provider.shutdown()
 
 
