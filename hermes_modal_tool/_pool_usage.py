@@ -43,7 +43,7 @@ class PoolUsage:
         self._held_s_done += held
         return held
 
-    async def _measure(self, rec: _Record | None, slot: Slot, wall_s: float) -> Usage:
+    async def _measure(self, rec: _Record | None, slot: Slot, wall_s: float, disk: bool = False) -> Usage:
         """Ask the slot's agent what the tenant used; never raises for a dead or slow agent
         (the Usage then says ``source="host"`` and why in ``notes``)."""
         reply: dict[str, Any] | None = None
@@ -52,7 +52,8 @@ class PoolUsage:
             note = "its sandbox ended: only the host's counts"
         else:
             try:
-                answer = await rec.sandbox.request({"op": "usage", "slot": rec.index}, USAGE_TIMEOUT_S)
+                answer = await rec.sandbox.request({"op": "usage", "slot": rec.index, "disk": disk},
+                                                   USAGE_TIMEOUT_S)
             except SandboxError as exc:
                 note = f"the agent was not asked: {exc}"
             else:
@@ -73,15 +74,16 @@ class PoolUsage:
         slot._sandbox = None
         return usage
 
-    async def usage(self, slot: Slot) -> Usage:
-        """What the slot's holder has used so far (see :class:`Usage`).
+    async def usage(self, slot: Slot, disk: bool = True) -> Usage:
+        """What the slot's holder has used so far (see :class:`Usage`); ``disk``: measure
+        the slot's layer too (a walk, linear in its files).
 
         Raises:
             UsageError: the slot is not held.
         """
         rec = self.record_of(slot)  # type: ignore[attr-defined]
         wall = max(0.0, time.monotonic() - slot._held_since) if slot._held_since else 0.0
-        return await self._measure(rec, slot, wall)
+        return await self._measure(rec, slot, wall, disk)
 
     def usage_status(self) -> dict[str, Any]:
         """Slot-seconds of the pool's sandboxes, seconds held by trajectories, and the

@@ -50,8 +50,9 @@ class StatusMethods:
             "pools": pools,
         }
 
-    async def usage(self, slot: Slot) -> Usage:
-        """What the slot's holder has used so far (a :class:`Usage`, as ``release`` returns).
+    async def usage(self, slot: Slot, disk: bool = True) -> Usage:
+        """What the slot's holder has used so far (a :class:`Usage`, as ``release`` returns);
+        ``disk``: measure the slot's layer too (a walk of its files, in a worker thread).
 
         Raises:
             UsageError: the slot is not held (released, its sandbox gone, not a Slot).
@@ -63,7 +64,7 @@ class StatusMethods:
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-        return await pool.usage(slot)
+        return await pool.usage(slot, disk)
 
     def list_profiles(self) -> dict[str, dict[str, Any]]:
         """Each profile's main settings and whether its pool is running."""

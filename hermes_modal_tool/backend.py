@@ -310,7 +310,8 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         return await pool.acquire(trajectory_id if trajectory_id is not None
                                   else f"traj-{uuid.uuid4().hex[:12]}")
 
-    async def release(self, slot: Slot, reset_workspace: bool = False) -> Usage | None:
+    async def release(self, slot: Slot, reset_workspace: bool = False, *,
+                      measure_disk: bool = False) -> Usage | None:
         """Return a slot. The next holder always gets an empty workspace and a fresh
         shell; ``reset_workspace=True`` does that reset before returning (with a layered
         root: once each of the old tenant's processes has been sent SIGKILL; they end and
@@ -318,10 +319,10 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         that, see ``agent/slot.py``).
 
         Returns:
-            What the trajectory used while it held the slot (:class:`Usage`: wall time,
-            CPU, peak memory, disk, calls by tool, GPU time; measured before the reset,
-            one round trip to the sandbox's agent). None after ``stop()``, and for a slot
-            whose sandbox died that was released once already.
+            What the trajectory used (:class:`Usage`), measured before the reset in one
+            round trip to the agent; None after ``stop()`` or for a dead sandbox's slot
+            released twice. ``measure_disk=True`` adds ``disk_bytes`` (a walk of the
+            slot's files, linear in them; else None and the reset stays O(1)).
 
         Raises:
             UsageError: the slot is not held (already released, or not a Slot).
@@ -336,7 +337,7 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
         with tracing.span("release", {"slot_id": slot.slot_id, "trajectory_id": slot.trajectory_id,
                                       "reset_workspace": reset_workspace}) as span:
-            used = await pool.release(slot, reset_workspace=reset_workspace)
+            used = await pool.release(slot, reset_workspace=reset_workspace, measure_disk=measure_disk)
             tracing.set_attributes(span, tracing.usage_attributes(used))
             return used
 

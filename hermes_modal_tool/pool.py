@@ -381,7 +381,8 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
                              f"its sandbox is gone, or it came from another backend{why}")
         return rec
 
-    async def release(self, slot: Slot, reset_workspace: bool = False) -> Usage | None:
+    async def release(self, slot: Slot, reset_workspace: bool = False,
+                      measure_disk: bool = False) -> Usage | None:
         """Give a slot back. Its workspace and shell are always reset before reuse:
         now (``reset_workspace=True``) or in the background. Returns what the lease
         used (:class:`Usage`, measured before the reset); None for a slot whose lease
@@ -403,7 +404,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         rec.lease += 1
         rec.ready = False
         rec.sandbox.last_used = time.monotonic()
-        usage = await self._measure(rec, slot, self._lease_ended(slot))
+        usage = await self._measure(rec, slot, self._lease_ended(slot), measure_disk)
         if reset_workspace:
             await self._reset(rec)
         else:

@@ -23,8 +23,9 @@ async def test_release_returns_what_the_trajectory_used(make_backend):
     backend = await make_backend(slots_per_sandbox=2)
     busy = await backend.acquire("busy")
     idle = await backend.acquire("idle")
-    assert (await bash(backend, busy, BURN)).success
-    assert (await bash(backend, busy, HOLD_MEMORY)).success
+    # (A minute each: on a loaded machine 0.5 s of CPU can take many seconds to get.)
+    assert (await bash(backend, busy, BURN, timeout=60)).success
+    assert (await bash(backend, busy, HOLD_MEMORY, timeout=60)).success
     [w] = await backend.execute_batch([(busy, "write_file", {"path": "data.bin", "content": "x" * 300_000})])
     assert w.success
     assert (await bash(backend, idle, "true")).success
@@ -32,8 +33,8 @@ async def test_release_returns_what_the_trajectory_used(make_backend):
     running = await backend.usage(busy)  # while it is held
     assert isinstance(running, Usage) and running.trajectory_id == "busy"
     cgroup = running.source.startswith("cgroup")
-    busy_usage = await backend.release(busy)
-    idle_usage = await backend.release(idle)
+    busy_usage = await backend.release(busy, measure_disk=True)
+    idle_usage = await backend.release(idle, measure_disk=True)
 
     assert busy_usage.calls == {"bash": 2, "write_file": 1}
     assert idle_usage.calls == {"bash": 1}
@@ -56,12 +57,13 @@ async def test_release_returns_what_the_trajectory_used(make_backend):
 async def test_the_next_tenant_starts_from_zero(make_backend):
     backend = await make_backend(slots_per_sandbox=1, max_sandboxes=1)
     first = await backend.acquire("first")
-    assert (await bash(backend, first, BURN + "; " + HOLD_MEMORY + "; head -c 500000 /dev/zero > f")).success
-    used = await backend.release(first, reset_workspace=True)
+    assert (await bash(backend, first, BURN + "; " + HOLD_MEMORY + "; head -c 500000 /dev/zero > f",
+                       timeout=60)).success
+    used = await backend.release(first, reset_workspace=True, measure_disk=True)
     second = await backend.acquire("second")
     assert second.slot_id == first.slot_id  # the same slot, a new tenant
     assert (await bash(backend, second, "true")).success
-    again = await backend.release(second)
+    again = await backend.release(second, measure_disk=True)
     assert used.disk_bytes >= 500_000 and again.disk_bytes < 100_000 and again.disk_peak_bytes < 100_000
     assert again.calls == {"bash": 1}
     if used.source.startswith("cgroup"):
@@ -73,8 +75,10 @@ async def test_the_next_tenant_starts_from_zero(make_backend):
 async def test_pool_status_shows_warm_time_no_trajectory_used(make_backend):
     backend = await make_backend(slots_per_sandbox=2)
     slot = await backend.acquire("t")
-    await bash(backend, slot, "sleep 0.3")
+    await bash(backend, slot, "sleep 0.3; head -c 200000 /dev/zero > f")
     used = await backend.release(slot)
+    # Without measure_disk the release walks nothing: no disk figure, the rest is there.
+    assert used.disk_bytes is None and used.disk_peak_bytes is None and used.calls == {"bash": 1}
     ledger = backend.get_status()["pools"][backend.default_profile]["usage"]
     # (The ledger rounds to milliseconds.)
     assert ledger["held_seconds"] >= used.wall_s - 0.001 and used.wall_s >= 0.3

@@ -177,8 +177,10 @@ def measure(agent, slot):
 
 
 def dispatch(agent, msg):
-    """Answer a ``usage`` request ``{"slot": int}``: the CPU and memory now, then the
-    disk measured in the agent's ``disk`` worker thread."""
+    """Answer a ``usage`` request ``{"slot": int, "disk": bool}``: the CPU and memory now
+    (on the loop: a few small cgroup files); with ``disk``, then the slot's layer measured
+    in the agent's ``disk`` worker thread (linear in its files), else at once with the
+    largest size :mod:`.diskwatch` saw (None when it saw none)."""
     mid = msg.get("id")
     slot = agent.slots.get(msg.get("slot"))
     if slot is None:
@@ -188,6 +190,13 @@ def dispatch(agent, msg):
         out = measure(agent, slot)
     except Exception as exc:  # report, never die
         agent.send({"id": mid, "ok": False, "error": "usage: %s: %s" % (type(exc).__name__, exc)})
+        return
+
+    if not msg.get("disk"):
+        peak = of(slot).disk_peak
+        out["disk_bytes"] = None
+        out["disk_peak_bytes"] = peak or None
+        agent.send({"id": mid, "ok": True, "result": out})
         return
 
     def measured(fut):

@@ -253,7 +253,7 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
             if live is not None:
                 live.done(traj.id)
             try:
-                used = await backend.release(slot, reset_workspace=True)
+                used = await backend.release(slot, reset_workspace=True, measure_disk=True)
                 if used is not None:
                     record["usage"] = used.as_dict()
             except HermesModalToolError as exc:
