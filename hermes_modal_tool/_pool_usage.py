@@ -37,6 +37,12 @@ class PoolUsage:
         sb._usage_counted = True  # type: ignore[attr-defined]
         self._slot_s_done += (time.monotonic() - sb.started_at) * sb.slots
 
+    def _has_gpu(self) -> bool:
+        """Whether the profile's slots hold a GPU: a ``gpu`` on the Modal driver (the local
+        driver ignores ``gpu`` today; where it binds GPUs, its agent says so in ``gpus``)."""
+        return bool(self.config.gpu) and (self.config.driver == "modal"
+                                          or bool(self.info.get("gpus")))  # type: ignore[attr-defined]
+
     def _lease_ended(self, slot: Slot) -> float:
         """The lease's wall time held (seconds), added to the pool's held total."""
         held = max(0.0, time.monotonic() - slot._held_since) if slot._held_since else 0.0
@@ -63,7 +69,7 @@ class PoolUsage:
                     note = f"the agent could not measure it: {answer.get('error')}"
         return from_agent(reply, slot_id=slot.slot_id, trajectory_id=slot.trajectory_id,
                           profile=self.name, wall_s=wall_s, calls=slot._calls,
-                          gpu=bool(self.config.gpu), note=note)
+                          gpu=self._has_gpu(), note=note)
 
     async def _ended_lease_usage(self, slot: Slot) -> Usage | None:
         """The host's counts for a lease its sandbox ended (once: the slot is forgotten)."""

@@ -40,7 +40,8 @@ class Usage:
         disk_peak_bytes: the largest that layer was seen (at the end and, with a
             ``slot_disk`` limit, every 0.5 s while commands ran).
         calls: tool calls made, by tool name (``{"bash": 3, "write_file": 1}``).
-        gpu_s: seconds a GPU was held (``wall_s`` when the profile has a ``gpu``), else None.
+        gpu_s: seconds a GPU was held (``wall_s`` when the profile's slots have one: a
+            ``gpu`` on the Modal driver), else None.
         notes: what could not be measured exactly, in words.
     """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from support import agent_processes, bash
 
 from hermes_modal_tool import Usage
-from hermes_modal_tool.usage import total_usage
+from hermes_modal_tool.usage import from_agent, total_usage
 
 # 0.5 s of CPU (user and system: where clock reads are system calls, most of it is
 # system time), however loaded the machine is (python is on the host's root here).
@@ -116,3 +116,18 @@ def test_total_usage_sums_and_keeps_peaks():
     assert total["memory_peak_bytes"] == 100 and total["disk_peak_bytes"] == 50
     assert total["calls"] == {"bash": 3, "read_file": 1}
     assert total["sources"] == {"cgroup-v1": 1, "agent": 1}
+
+
+def test_gpu_seconds_only_where_the_slot_holds_a_gpu():
+    kw = {"slot_id": "s", "trajectory_id": "t", "profile": "p", "wall_s": 2.5, "calls": {}}
+    assert from_agent({"source": "agent"}, gpu=True, **kw).gpu_s == 2.5
+    assert from_agent({"source": "agent"}, gpu=False, **kw).gpu_s is None
+    dead = from_agent(None, gpu=False, note="its sandbox ended", **kw)
+    assert dead.source == "host" and dead.notes == ("its sandbox ended",)
+
+
+async def test_a_local_profiles_gpu_is_not_billed(make_backend):
+    backend = await make_backend(gpu="T4")  # the local driver ignores it (and warns)
+    slot = await backend.acquire("t")
+    used = await backend.release(slot)
+    assert used.wall_s > 0 and used.gpu_s is None
