@@ -26,11 +26,14 @@ from .errors import (
     SecretNotFoundError,
     SetupError,
     SnapshotError,
+    TransferError,
     UsageError,
 )
+from .filetransfer import Transfer
 from .processes import SlotProcess
 from .slots import ExecutionResult, OutputEvent, Slot, SlotState, ToolResult
 from .snapshots import SlotSnapshot
+from .usage import Usage
 
 __version__ = "0.1.0"
 
@@ -63,6 +66,9 @@ __all__ = [
     "SnapshotError",
     "ToolBackend",
     "ToolResult",
+    "Transfer",
+    "TransferError",
+    "Usage",
     "UsageError",
     "load_profiles",
 ]

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from .gpus import gpu_status
+
+log = logging.getLogger("hermes_modal_tool")
+_WARNED_WORKSPACE_ONLY: set[str] = set()  # profiles already warned about (once per process)
 
 
 class PoolStatus:
     """Mixed into the pool: needs its ``config``, ``info``, ``stats``, ``last_error``,
     ``_records``, ``_sandboxes``, ``_free``, ``_waiters``, ``_starting``, ``_live`` and
     ``_rate_window``."""
+
+    def _warn_workspace_only(self) -> None:
+        """Say once per profile when slots could not get a layered root of their own."""
+        if (self.info.get("filesystem") == "workspace-only" and self.config.filesystem == "auto"
+                and self.name not in _WARNED_WORKSPACE_ONLY):
+            _WARNED_WORKSPACE_ONLY.add(self.name)
+            log.warning("profile %r: slots are workspace-only (no private root filesystem: %s); "
+                        "only the workspace is writable and slots are not root. Set "
+                        "filesystem: workspace-only to silence this.", self.name,
+                        self.info.get("filesystem_note") or "unknown reason")
 
     def calls_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -50,6 +64,8 @@ class PoolStatus:
             "abstract_sockets": self.info.get("abstract_sockets"),
             "network": self.config.network,
             "gpu": gpu_status(self.config, self._sandboxes),
+            "volumes": [v.model_dump() for v in self.config.volumes],
             **self.stats,
+            "usage": self.usage_status(),
             "last_error": self.last_error,
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
+from . import tracing
 from .slots import Slot
 from .snapshots import SlotSnapshot
 
@@ -44,7 +45,10 @@ class SnapshotMethods:
                 the profile's ``snapshot_disk`` cap (MiB).
         """
         self._check_open()
-        return await self._snapshots.snapshot(slot)
+        with tracing.span("snapshot", {"slot_id": getattr(slot, "slot_id", None)}) as span:
+            snap = await self._snapshots.snapshot(slot)
+            tracing.set_attributes(span, {"snapshot_id": snap.snapshot_id, "size_bytes": snap.size_bytes})
+            return snap
 
     async def fork(self, slot_or_snapshot: Slot | SlotSnapshot, n: int,
                    trajectory_ids: list[str] | None = None) -> list[Slot]:
@@ -71,7 +75,9 @@ class SnapshotMethods:
             PoolTimeoutError: not enough slots became free within ``acquire_timeout_s``.
         """
         self._check_open()
-        return await self._snapshots.fork(slot_or_snapshot, n, trajectory_ids)
+        with tracing.span("fork", {"snapshot_id": getattr(slot_or_snapshot, "snapshot_id", None),
+                                   "slot_id": getattr(slot_or_snapshot, "slot_id", None), "count": n}):
+            return await self._snapshots.fork(slot_or_snapshot, n, trajectory_ids)
 
     async def setup_snapshot(self, setup: str | list[str], profile: str | None = None) -> SlotSnapshot:
         """The snapshot of a slot of ``profile`` after ``setup`` (commands run in order in

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import UsageError
+from .slots import Slot
+from .usage import Usage
+
 
 class StatusMethods:
-    """Mixed into :class:`~hermes_modal_tool.backend.ToolBackend`: needs its ``_pools``,
+    """Mixed into :class:`~hermes_modal_tool.backend.ToolBackend`: needs its ``_check_open``, ``_pools``,
     ``profiles``, ``default_profile``, ``_drivers``, ``_closed``, ``_snapshots`` and
     ``_setups``."""
 
@@ -45,6 +49,22 @@ class StatusMethods:
             "setups": self._setups.status(),
             "pools": pools,
         }
+
+    async def usage(self, slot: Slot, disk: bool = True) -> Usage:
+        """What the slot's holder has used so far (a :class:`Usage`, as ``release`` returns);
+        ``disk``: measure the slot's layer too (a walk of its files, in a worker thread).
+
+        Raises:
+            UsageError: the slot is not held (released, its sandbox gone, not a Slot).
+            BackendClosedError: after ``stop()``.
+        """
+        if not isinstance(slot, Slot):
+            raise UsageError(f"usage() takes a Slot, got {type(slot).__name__}")
+        self._check_open()  # type: ignore[attr-defined]
+        pool = self._pools.get(slot.profile)
+        if pool is None:
+            raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
+        return await pool.usage(slot, disk)
 
     def list_profiles(self) -> dict[str, dict[str, Any]]:
         """Each profile's main settings and whether its pool is running."""

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from . import streaming
+from . import streaming, tracing
 from ._artifact_api import ArtifactMethods
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
@@ -32,14 +32,16 @@ from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .drivers import make_driver
 from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
+from .filetransfer import TransferMethods
 from .pool import SandboxPool
 from .processes import ProcessMethods
 from .shared_setup import SharedSetups
 from .slots import ExecutionResult, OutputEvent, Slot, execution_id
 from .snapshots import SlotSnapshot, Snapshots
+from .usage import Usage
 
 
-class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods):
+class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods, TransferMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,
@@ -282,6 +284,14 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             BackendClosedError: after ``stop()``.
         """
         self._check_open()
+        with tracing.span("acquire", {"trajectory_id": trajectory_id, "profile": profile}) as span:
+            slot = await self._acquire(trajectory_id, profile, snapshot, setup)
+            tracing.set_attributes(span, {"slot_id": slot.slot_id, "sandbox_id": slot.sandbox_id,
+                                          "profile": slot.profile, "trajectory_id": slot.trajectory_id})
+            return slot
+
+    async def _acquire(self, trajectory_id: str | None, profile: str | None,
+                       snapshot: SlotSnapshot | None, setup: str | list[str] | None) -> Slot:
         if trajectory_id is not None and not isinstance(trajectory_id, str):
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
         if profile is not None and not isinstance(profile, str):
@@ -300,12 +310,19 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         return await pool.acquire(trajectory_id if trajectory_id is not None
                                   else f"traj-{uuid.uuid4().hex[:12]}")
 
-    async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
+    async def release(self, slot: Slot, reset_workspace: bool = False, *,
+                      measure_disk: bool = False) -> Usage | None:
         """Return a slot. The next holder always gets an empty workspace and a fresh
         shell; ``reset_workspace=True`` does that reset before returning (with a layered
         root: once each of the old tenant's processes has been sent SIGKILL; they end and
         the slot is torn down in the sandbox meanwhile, and the slot's next call waits for
         that, see ``agent/slot.py``).
+
+        Returns:
+            What the trajectory used (:class:`Usage`), measured before the reset in one
+            round trip to the agent; None after ``stop()`` or for a dead sandbox's slot
+            released twice. ``measure_disk=True`` adds ``disk_bytes`` (a walk of the
+            slot's files, linear in them; else None and the reset stays O(1)).
 
         Raises:
             UsageError: the slot is not held (already released, or not a Slot).
@@ -313,12 +330,16 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         if not isinstance(slot, Slot):
             raise UsageError(f"release() takes a Slot, got {type(slot).__name__}")
         if self._closed:
-            return
+            return None
         self._check_open()
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-        await pool.release(slot, reset_workspace=reset_workspace)
+        with tracing.span("release", {"slot_id": slot.slot_id, "trajectory_id": slot.trajectory_id,
+                                      "reset_workspace": reset_workspace}) as span:
+            used = await pool.release(slot, reset_workspace=reset_workspace, measure_disk=measure_disk)
+            tracing.set_attributes(span, tracing.usage_attributes(used))
+            return used
 
     # -- execution ---------------------------------------------------------------------
     async def execute_batch(
@@ -374,6 +395,8 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                                       or not timeout_s > 0):
             raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         results: list[ExecutionResult | None] = [None] * len(requests)
+        traced = tracing.active()
+        spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
         touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
         waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str, Any]] = []
         for i, req in enumerate(requests):
@@ -405,6 +428,8 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                 results[i] = submitted
                 continue
             sb, mid, fut, rec = submitted
+            if traced:
+                spans[i] = tracing.call_span(slot, tool)
             touched[sb] = None
             waiting.append((i, pool, tool, slot, sb, mid, fut, execution_id(), rec))
         for sb in touched:
@@ -433,11 +458,15 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                     pool.call_ended(rec, slot)
                 for sb in touched:
                     sb.flush()
+                for span, _ in spans.values():
+                    tracing.end_error(span, asyncio.CancelledError("the batch was cancelled"))
                 raise
             for (i, pool, tool, slot, _sb, _mid, _fut, eid, rec), outcome in zip(waiting, outcomes,
                                                                                   strict=True):
                 pool.call_ended(rec, slot)
                 results[i] = pool.to_result(slot, tool, outcome, eid)
+                if traced:
+                    tracing.end_call_span(*spans[i], results[i])
         return results  # type: ignore[return-value]
 
     async def execute(self, slot: Slot, tool: str, args: Mapping[str, Any], timeout_s: float | None = None,

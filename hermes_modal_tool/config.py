@@ -23,6 +23,7 @@ from .profiles import (
     read_profiles_file,
     split_profile_var,
 )
+from .volumes import Volume, check_volumes
 
 __all__ = ["ALIASES", "ENV_KEYS", "ENV_PREFIXES", "ModalSandboxConfig", "SandboxConfig",
            "build_profile", "load_profiles", "read_profiles_file", "validate_profile"]
@@ -114,6 +115,11 @@ class SandboxConfig(BaseModel):
                             "that size and inode count: ENOSPC past it; needs root, loop devices "
                             "and mkfs.ext4), 'watch' (measured while commands run; the command "
                             "is stopped past it), or 'auto' (kernel where the machine allows).")
+    volumes: list[Volume] = Field(
+        default_factory=list,
+        description="Host directories bound into every slot: [{source, target, read_only: true}] "
+                    "(local driver); read-only unless read_only is false (then shared by the "
+                    "profile's slots). See hermes_modal_tool/volumes.py.")
     setup: list[str] | None = Field(
         None, description="Commands every slot of the profile starts after: run once per content "
                           "key (commands, profile, image) in a fresh slot, snapshotted, and each "
@@ -223,6 +229,8 @@ class SandboxConfig(BaseModel):
         if self.min_sandboxes > self.max_sandboxes:
             raise ValueError(
                 f"min_sandboxes ({self.min_sandboxes}) is greater than max_sandboxes ({self.max_sandboxes})")
+        if self.volumes:
+            check_volumes(self.volumes, self.workspace_base, self.driver)
         return self
 
     def with_app_name(self, base_app: str | None = None, *, base: str | None = None) -> SandboxConfig:

@@ -17,6 +17,7 @@ Modal SDK, bubblewrap) are translated here, so callers never import theirs::
     ├── PoolTimeoutError             no slot became free within acquire_timeout_s
     ├── CommandTimeoutError          (only raised by helpers that raise; tool calls
     │                                 report a timeout as exit code 124 instead)
+    ├── TransferError                an upload or download failed or its checksum differs
     └── UsageError                   the API was used wrongly (also a ValueError)
         └── BackendClosedError       the backend was used after stop()
 
@@ -106,6 +107,11 @@ class PoolTimeoutError(HermesModalToolError, TimeoutError):
 
 class CommandTimeoutError(HermesModalToolError, TimeoutError):
     """Raised by helpers that turn a timed-out tool call into an exception."""
+
+
+class TransferError(HermesModalToolError):
+    """Raised when an upload or download fails: a chunk's tool call failed, the remote file
+    is not what a resume expects, or the checksums of the two ends differ."""
 
 
 class UsageError(HermesModalToolError, ValueError):

@@ -18,7 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tracing
 from ._pool_status import PoolStatus
+from ._pool_usage import PoolUsage
 from .config import SandboxConfig
 from .drivers.base import Driver
 from .errors import (
@@ -31,9 +33,9 @@ from .protocol import ProtocolError
 from .resets import SlotResets
 from .sandbox import HOST_GRACE_S, Sandbox
 from .slots import ExecutionResult, Slot, SlotState
+from .usage import Usage
 
 log = logging.getLogger("hermes_modal_tool")
-_WARNED_WORKSPACE_ONLY: set[str] = set()  # profiles already warned about (once per process)
 
 START_TIMEOUT_S = 120.0
 MAX_CALL_TIMEOUT_S = 86400.0
@@ -57,7 +59,7 @@ class _Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class SandboxPool(SlotResets, PoolStatus):
+class SandboxPool(SlotResets, PoolStatus, PoolUsage):
     """Sandboxes of one profile, each with ``slots_per_sandbox`` slots.
 
     Args:
@@ -85,6 +87,7 @@ class SandboxPool(SlotResets, PoolStatus):
         self.last_error: str | None = None
         self.info: dict[str, Any] = {}
         self._rate_window: deque[float] = deque()
+        self._usage_init()
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -125,6 +128,8 @@ class SandboxPool(SlotResets, PoolStatus):
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         sandboxes = list(self._sandboxes.values())
+        for sb in sandboxes:
+            self._sandbox_ended(sb)
         self._sandboxes.clear()
         self._free.clear()
         for recs in self._records.values():
@@ -152,6 +157,14 @@ class SandboxPool(SlotResets, PoolStatus):
     # -- sandboxes ---------------------------------------------------------------
     async def _start_one(self, counted: bool = False) -> Sandbox:
         """Start one sandbox and offer its slots. ``counted``: ``_starting`` already includes it."""
+        if not tracing.active():
+            return await self._start_sandbox(counted)
+        with tracing.span("sandbox.start", {"profile": self.name, "driver": self.config.driver}) as span:
+            sb = await self._start_sandbox(counted)
+            tracing.set_attributes(span, {"sandbox_id": sb.sandbox_id})
+            return sb
+
+    async def _start_sandbox(self, counted: bool) -> Sandbox:
         if not counted:
             self._starting += 1
         sandbox_id = f"{self.name}-{next(self._seq)}"
@@ -193,16 +206,6 @@ class SandboxPool(SlotResets, PoolStatus):
             self._offer(rec, now)
         return sb
 
-    def _warn_workspace_only(self) -> None:
-        """Say once per profile when slots could not get a layered root of their own."""
-        if (self.info.get("filesystem") == "workspace-only" and self.config.filesystem == "auto"
-                and self.name not in _WARNED_WORKSPACE_ONLY):
-            _WARNED_WORKSPACE_ONLY.add(self.name)
-            log.warning("profile %r: slots are workspace-only (no private root filesystem: %s); "
-                        "only the workspace is writable and slots are not root. Set "
-                        "filesystem: workspace-only to silence this.", self.name,
-                        self.info.get("filesystem_note") or "unknown reason")
-
     def _fail_unservable(self, exc: BaseException) -> None:
         """After a failed start, fail the waiters that no other starting sandbox will serve."""
         coming = self._starting * self.config.slots_per_sandbox
@@ -214,6 +217,7 @@ class SandboxPool(SlotResets, PoolStatus):
     def _on_death(self, sb: Sandbox) -> None:
         if self._sandboxes.pop(sb.sandbox_id, None) is None:
             return
+        self._sandbox_ended(sb)
         self.stats["sandboxes_died"] += 1
         self.last_error = f"sandbox {sb.sandbox_id} died: {sb.death_reason}"
         recs = self._records.pop(sb.sandbox_id, [])
@@ -266,6 +270,7 @@ class SandboxPool(SlotResets, PoolStatus):
 
     def _retire(self, sb: Sandbox) -> None:
         self._sandboxes.pop(sb.sandbox_id, None)
+        self._sandbox_ended(sb)
         recs = self._records.pop(sb.sandbox_id, [])
         gone = set(map(id, recs))
         self._free = deque(r for r in self._free if id(r) not in gone)
@@ -361,7 +366,7 @@ class SandboxPool(SlotResets, PoolStatus):
         slot = Slot(slot_id=rec.slot_id, workspace_dir=rec.workspace_dir, state=SlotState.ACQUIRED,
                     trajectory_id=trajectory_id, sandbox_id=rec.sandbox.sandbox_id,
                     profile=self.name, index=rec.index, acquired_at=time.time(),
-                    _lease=rec.lease, _sandbox=rec)
+                    _lease=rec.lease, _sandbox=rec, _held_since=time.monotonic())
         rec.holder = slot
         rec.sandbox.last_used = time.monotonic()
         self.stats["acquires"] += 1
@@ -376,32 +381,37 @@ class SandboxPool(SlotResets, PoolStatus):
                              f"its sandbox is gone, or it came from another backend{why}")
         return rec
 
-    async def release(self, slot: Slot, reset_workspace: bool = False) -> None:
+    async def release(self, slot: Slot, reset_workspace: bool = False,
+                      measure_disk: bool = False) -> Usage | None:
         """Give a slot back. Its workspace and shell are always reset before reuse:
-        now (``reset_workspace=True``) or in the background.
+        now (``reset_workspace=True``) or in the background. Returns what the lease
+        used (:class:`Usage`, measured before the reset); None for a slot whose lease
+        already ended with its sandbox and was released before.
 
         Raises:
             UsageError: the slot is not currently held.
         """
         if slot.state is SlotState.ERROR and not isinstance(slot._sandbox, _Record):
-            return
+            return None
         try:
             rec = self.record_of(slot)
         except UsageError:
-            if slot.state is SlotState.ERROR:
-                return  # its sandbox died; nothing to give back
+            if slot.state is SlotState.ERROR:  # its sandbox died; nothing to give back
+                return await self._ended_lease_usage(slot)
             raise
         slot.state = SlotState.RELEASING
         rec.holder = None
         rec.lease += 1
         rec.ready = False
         rec.sandbox.last_used = time.monotonic()
+        usage = await self._measure(rec, slot, self._lease_ended(slot), measure_disk)
         if reset_workspace:
             await self._reset(rec)
         else:
             self._spawn(self._reset(rec), f"hermes-modal-tool reset {rec.slot_id}")
         slot.state = SlotState.AVAILABLE
         slot.trajectory_id = None
+        return usage
 
     # -- calls ---------------------------------------------------------------------
     def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
@@ -439,6 +449,8 @@ class SandboxPool(SlotResets, PoolStatus):
             named = f"argument {', '.join(map(repr, bad))} " if bad else "arguments "
             return ExecutionResult.failure(f"{tool} {named}cannot be sent as JSON: {exc}", slot.slot_id)
         rec.inflight += 1
+        calls = slot._calls
+        calls[tool] = calls.get(tool, 0) + 1
         slot.state = SlotState.EXECUTING
         self.stats["calls"] += 1
         self._rate_window.append(time.monotonic())

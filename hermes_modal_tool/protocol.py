@@ -39,6 +39,11 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 ``process``   ``{"slot": int, "action": str, "process": int, ...}``: a slot's processes
               (a ``bash`` call with ``pty: true`` starts one; see
               ``hermes_modal_tool/agent/ptyprocs.py``).
+``usage``     ``{"slot": int}``: what the slot's tenant (since its last reset) used: result
+              ``{"source", "cpu_user_s", "cpu_system_s", "memory_peak_bytes", "disk_bytes",
+              "disk_peak_bytes", "notes"}`` (see ``hermes_modal_tool/agent/usage.py``).
+``checksum``  ``{"slot": int, "path": str}``: the file's ``{"sha256", "size", "path"}``, read
+              through the slot's view (``agent/filesums.py``; streamed transfer checks).
 ``ack``       ``{"bytes": int}`` with id 0: the host received that much streamed output
               (see ``output`` below); no answer.
 
@@ -66,7 +71,8 @@ HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
-       "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack", "process")
+       "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack", "process", "usage",
+       "checksum")
 
 #: Tools the agent knows, in the order error messages list them.
 TOOLS = (

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import protocol
+from . import protocol, tracing
 from .deadlines import Deadlines
 from .drivers.base import SandboxHandle
 from .errors import ConfigError, SandboxDiedError, SandboxError, SandboxStartError
@@ -270,6 +270,12 @@ class Sandbox:
     # -- shutdown ------------------------------------------------------------
     async def close(self) -> None:
         """Ask the agent to clean up and exit; then make sure the sandbox is gone."""
+        if not tracing.active():
+            return await self._close()
+        with tracing.span("sandbox.stop", {"sandbox_id": self.sandbox_id, "died": self.dead or None}):
+            await self._close()
+
+    async def _close(self) -> None:
         self._closing = True
         if not self.dead:
             try:

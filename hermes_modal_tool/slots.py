@@ -48,6 +48,8 @@ class Slot:
     acquired_at: float | None = None
     _lease: int = field(default=0, repr=False)
     _sandbox: Any = field(default=None, repr=False)
+    _held_since: float = field(default=0.0, repr=False)  # time.monotonic() at acquire
+    _calls: dict[str, int] = field(default_factory=dict, repr=False)  # tool -> calls made
 
     @property
     def is_available(self) -> bool:

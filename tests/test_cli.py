@@ -50,6 +50,11 @@ def test_batch_runs_each_trajectory_in_its_own_slot(tmp_path: Path) -> None:
     assert timed_out["timed_out"] is True and timed_out["returncode"] == 124
     assert set(timed_out) >= {"tool", "success", "returncode", "timed_out", "duration_s", "output",
                               "error", "expectation_met"}
+    # What each trajectory used (usage ledger), and the sums in the summary.
+    assert records[1]["usage"]["calls"] == {"write_file": 1, "read_file": 2, "bash": 1}
+    assert records[2]["usage"]["wall_s"] >= 0.3 and records[0]["usage"]["slot_id"] == records[0]["slot_id"]
+    assert "usage (sum over trajectories)" in result.output
+    assert "not used by any trajectory" in result.output
 
 
 def test_batch_unmet_expectation_exits_1_and_says_why(tmp_path: Path) -> None:

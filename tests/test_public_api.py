@@ -47,6 +47,9 @@ EXPECTED_ALL = [
     "SnapshotError",
     "ToolBackend",
     "ToolResult",
+    "Transfer",
+    "TransferError",
+    "Usage",
     "UsageError",
     "load_profiles",
 ]

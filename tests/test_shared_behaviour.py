@@ -10,6 +10,8 @@ death and secrets behave must not depend on the driver.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import json
 import os
 import secrets
@@ -204,3 +206,21 @@ async def test_a_slot_owns_its_root_or_status_says_workspace_only(driver_backend
     on_host = await asyncio.to_thread(lambda: [os.path.lexists(f"/usr/local/bin/tool-{tag}"),
                                                 os.path.lexists(f"/etc/motd-{tag}")])
     assert on_host == [False, False]
+
+
+async def test_files_move_in_chunks_and_release_says_what_the_lease_used(driver_backend):
+    backend = await driver_backend(slots_per_sandbox=2)
+    slot = await backend.acquire("ledger")
+    data = os.urandom(1_200_000)  # three chunks
+    up = await backend.upload(slot, data, "w/blob.bin")
+    r = await bash(backend, slot, "sha256sum w/blob.bin")
+    assert r.output.split()[0] == up.sha256 == hashlib.sha256(data).hexdigest()
+    out = io.BytesIO()
+    assert (await backend.download(slot, "w/blob.bin", out)).sha256 == up.sha256
+    assert out.getvalue() == data
+    used = await backend.release(slot, measure_disk=True)
+    assert used.calls["bash"] == 1 and used.calls["write_file"] == 3 and used.calls["read_artifact"] == 3
+    assert used.disk_bytes >= len(data)
+    assert used.source in ("cgroup-v1", "cgroup-v2", "agent"), used
+    if used.source != "agent":
+        assert used.cpu_s > 0 and used.memory_peak_bytes > 0

@@ -30,6 +30,9 @@ class Cgroups:
     """
 
     CONTROLLERS = ("memory", "pids", "cpu")
+    #: v1 controllers used where mounted (for the usage ledger: ``agent/usage.py``);
+    #: one mounted together with a required one (``cpu,cpuacct``) shares its directory.
+    OPTIONAL = ("cpuacct",)
 
     def __init__(self, name, limits):
         self.name = name
@@ -63,6 +66,16 @@ class Cgroups:
             for ctrl in self.CONTROLLERS:
                 base = os.path.join(v1[ctrl], "hermes-modal-tool", self.name)
                 _mkdir(base)
+                self._bases[ctrl] = base
+            for ctrl in self.OPTIONAL:
+                mnt = v1.get(ctrl)
+                if mnt is None or mnt in (v1[c] for c in self.CONTROLLERS):
+                    continue  # absent, or the same directory as a required controller's
+                base = os.path.join(mnt, "hermes-modal-tool", self.name)
+                try:
+                    _mkdir(base)
+                except OSError:
+                    continue  # only the usage ledger needs it: it says what it lacks
                 self._bases[ctrl] = base
             self.mode = "cgroup-v1"
         self._apply(self._dirs(None), sandbox=True)
@@ -115,6 +128,10 @@ class Cgroups:
             self._apply(dirs, sandbox=False)
             self._made.add(slot)
         return [os.path.join(d, name) for d in dirs.values()]
+
+    def v1_controllers(self):
+        """The v1 controllers whose cgroups the slots join (none on v2 or without cgroups)."""
+        return [] if self.mode != "cgroup-v1" else list(self._bases)
 
     def sandbox_files(self, name):
         """The sandbox's own cgroups' files called ``name`` (``tasks``, say)."""
@@ -187,6 +204,20 @@ class Cgroups:
             pass
         return 0
 
+    def slot_file(self, slot, ctrl, name):
+        """The path of the slot's cgroup file ``name`` of v1 controller ``ctrl`` (on v2 the
+        unified directory's, whatever ``ctrl``); None without that controller. A v1
+        controller mounted together with another (``cpu,cpuacct``) is found under it."""
+        if self.mode == "rlimit":
+            return None
+        dirs = self._dirs(slot)
+        if self.mode == "cgroup-v2":
+            return os.path.join(dirs["unified"], name)
+        d = dirs.get(ctrl)
+        if d is None and ctrl == "cpuacct":
+            d = dirs.get("cpu")  # co-mounted: its files are in the cpu directory
+        return None if d is None else os.path.join(d, name)
+
     def memory_peak_exceeded(self, slot):
         """True if the slot's memory cgroup has hit its limit (an OOM kill is likely)."""
         if self.mode == "cgroup-v1":
@@ -220,7 +251,7 @@ def _cgroup_mounts():
             if fstype == "cgroup2":
                 found["cgroup2"] = mnt
             elif fstype == "cgroup":
-                for ctrl in Cgroups.CONTROLLERS:
+                for ctrl in Cgroups.CONTROLLERS + Cgroups.OPTIONAL:
                     if ctrl in opts and ctrl not in found["v1"]:
                         found["v1"][ctrl] = mnt
     return found

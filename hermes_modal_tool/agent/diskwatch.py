@@ -14,6 +14,7 @@ import asyncio
 import os
 import stat
 
+from . import usage
 from .trees import walk_path
 
 #: Where a slot without bubblewrap can write besides its workspace (shared by all slots).
@@ -102,6 +103,7 @@ class DiskWatch:
             if collector.ended is not None or slot.shell.collector is not collector:
                 return
             used = await self.loop.run_in_executor(self.executor("disk"), usage_fn(slot))
+            usage.disk_seen(slot, used)  # the tenant's peak (usage.py)
             if self._disk_over(used) and slot.shell.collector is collector:
                 slot.shell.cancel(self._disk_message(used))
                 return
@@ -143,6 +145,7 @@ class DiskWatch:
                     used = fut.result()
                 except Exception:  # noqa: BLE001 - a failed measurement changes nothing
                     used = 0
+                usage.disk_seen(slot, used)
                 if self._disk_over(used):
                     if not result.get("error"):
                         result["error"] = self._disk_message(used).replace(

@@ -34,7 +34,7 @@ CTL_PATH = "/run/hmt"  # short: bash reads the per-command line one byte at a ti
 
 
 def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_fd,
-               tmpfs_mb=None, shared_tmpfs=None, devices=()):
+               tmpfs_mb=None, shared_tmpfs=None, devices=(), extra=()):
     """Return the bwrap argv prefix that starts one slot's sandboxed process.
 
     Args:
@@ -54,6 +54,8 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
             a tmpfs per place (their total is then the cap, without cgroups).
         devices: bwrap arguments that add to ``/dev`` and bind more read-only (a gpu
             profile's, :meth:`.gpu.AgentGpu.workspace_only_argv`), placed after the tmpfs mounts.
+        extra: more bwrap arguments (binds: the profile's volumes), placed after the
+            slot's own mounts and before its root is made read-only.
     """
     size = ["--size", str(int(tmpfs_mb) * 1024 * 1024)] if tmpfs_mb else []
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -82,7 +84,7 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
     # Nothing else is writable: bwrap's own root tmpfs (where /data and the mount points
     # live) and /dev's tmpfs have no size cap, so they are made read-only last.
     argv += ["--dir", os.path.dirname(ws_path) or "/", "--bind", ws_host, ws_path,
-             "--ro-bind", ctl_host, CTL_PATH, "--chdir", ws_path,
+             "--ro-bind", ctl_host, CTL_PATH, "--chdir", ws_path] + list(extra) + [
              "--remount-ro", "/dev", "--remount-ro", "/"]
     return argv
 

@@ -22,8 +22,11 @@ from ..deadlines import Deadlines
 from . import admission, mounts, ptyprocs, quiet, rootfs, snapshots, spawner, streaming, trees
 from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
 from .diskwatch import DiskWatch
+from .filesums import dispatch as dispatch_checksum
 from .setup import Setup
 from .shell import SPAWN_THREADS
+from .usage import dispatch as dispatch_usage
+from .usage import new_tenant
 
 #: Idle slots whose shells are started before their first call, in the order the host
 #: hands fresh slots out (lowest index first), so that a first command finds a ready
@@ -59,6 +62,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.next_fresh = 0  # slots below this index had a shell started or a call
         self.spare_starting = False  # a spare's shell is starting (one at a time)
         self.slot_disk_mb = None
+        self.volumes = []  # the profile's (source, target, read_only) (agent/volumes.py)
         self.filesystem = "workspace-only"
         self.template_dir = None  # the slots' template layers' tmpfs (see setup, rootfs)
         self.shared_template = None  # the slots' shared template layer (rootplan.SharedTemplate)
@@ -130,6 +134,10 @@ class Agent(Setup, Calls, DiskWatch):
             pass  # the owner is alive (noted by _InProtocol for the heartbeat)
         elif op == "process":
             ptyprocs.dispatch(self, msg)  # a slot's processes (agent/ptyprocs.py)
+        elif op == "checksum":
+            dispatch_checksum(self, msg)  # a file's SHA-256, in a worker thread (agent/filesums.py)
+        elif op == "usage":
+            dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/usage.py)
         elif op == "ack":
             streaming.on_ack(self, msg)  # the host got streamed output (agent/streaming.py)
         elif op in snapshots.OPS:
@@ -201,6 +209,7 @@ class Agent(Setup, Calls, DiskWatch):
 
         try:
             await slot.reset(on_killed=answer)
+            new_tenant(self, slot)  # the old tenant's processes are gone
         except Exception as exc:
             if answered:  # the slot stays as it is; its next call tries again
                 sys.stderr.write("hermes-modal-tool agent: slot %d: reset failed after its "

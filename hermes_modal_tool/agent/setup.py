@@ -21,6 +21,7 @@ from . import (
     slotdisk,
     slottmpfs,
     trees,
+    volumes,
 )
 from .heartbeat import Heartbeat
 from .slot import SlotRuntime
@@ -41,6 +42,8 @@ class Setup:
         self.bwrap = cfg.get("bwrap")
         self.network = bool(cfg.get("network", True))
         self.hide = list(cfg.get("hide", []))
+        # (source, target, read_only) per volume; slots of their own uids must reach them
+        self.volumes = volumes.parse(cfg, cfg.get("uid_base") is not None and os.geteuid() == 0)
         # In a container (Modal) the slots see the container's environment (image
         # variables, Modal secrets) plus the profile's; locally only the profile's.
         self.env = {}
@@ -194,8 +197,9 @@ class Setup:
             else rootplan.UpperPlan(hidden, cfg.get("masked") or [],
                                     bool(cfg.get("hide_host_top", False)))
         # What all slots' templates hold: the workspaces' parent, the working and control
-        # directories (a slot's own workspace goes into its layers, see rootfs).
+        # directories, the volumes' mount points (a slot's own workspace goes into its layers, see rootfs).
         self.shared_template = rootplan.SharedTemplate(
             os.path.join(self.template_dir, "shared"), self.upper_plan,
-            [self.workspace_base.rstrip("/") or "/", self.workdir, isolation.CTL_PATH])
+            [self.workspace_base.rstrip("/") or "/", self.workdir, isolation.CTL_PATH]
+            + volumes.targets(self.volumes))  # the volumes' mount points too
         return "overlay", ""

@@ -27,7 +27,7 @@ import subprocess
 import threading
 
 from .. import protocol
-from . import isolation, mounts, rootplan, threadstart
+from . import isolation, mounts, rootplan, threadstart, volumes
 from .output import OutputCollector
 from .shellprocs import FRAME, new_nonce, start_timeout
 from .spawner import FIRST_PASS_FD
@@ -205,7 +205,8 @@ class ShellStart:
                 argv = isolation.bwrap_root_argv(
                     agent.bwrap, slot.root.merged, slot.ctl_host, agent.network,
                     "slot-%d" % slot.index, info_w, slot.start_dir, agent.tmpfs_mb,
-                    agent.contain_root, agent.gpu.argv if agent.gpu else ()) + binds + bash
+                    agent.contain_root, agent.gpu.argv if agent.gpu else ()) + binds \
+                    + volumes.argv(agent.volumes) + bash
                 cwd = "/"
                 proc = self._thread_root(argv, (in_r, out_w, err_w), pass_fds, entry)
                 if proc is not None:
@@ -227,7 +228,8 @@ class ShellStart:
                     agent.bwrap, slot.ws_host, slot.ws_path, slot.ctl_host, agent.network,
                     agent.hide, "slot-%d" % slot.index, info_w, agent.tmpfs_mb,
                     slot.tmpfs.place if slot.tmpfs else None,
-                    agent.gpu.workspace_only_argv() if agent.gpu else ()) + bash
+                    agent.gpu.workspace_only_argv() if agent.gpu else (),
+                    volumes.argv(agent.volumes)) + bash
                 cwd = "/"
             else:
                 argv = bash

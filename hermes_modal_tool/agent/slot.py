@@ -9,7 +9,7 @@ import os
 import resource
 import threading
 
-from . import diskwatch, files, isolation, mounts, rootfs, snapshots, wipes
+from . import diskwatch, files, isolation, mounts, rootfs, snapshots, volumes, wipes
 from .shell import Shell
 
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
@@ -42,7 +42,8 @@ class SlotRuntime:
                 os.path.join(agent.state_dir, "mnt", "slot_%d" % index), self.uid, self.gid,
                 # The control directory's mount point too: else bwrap makes it in every
                 # tenant's layer (a copy-up of /run and a directory on disk per shell start).
-                agent.upper_plan, agent.trash_dir, [self.ws_path, agent.workdir, isolation.CTL_PATH],
+                agent.upper_plan, agent.trash_dir,
+                [self.ws_path, agent.workdir, isolation.CTL_PATH] + volumes.targets(agent.volumes),
                 os.path.join(agent.template_dir, "slot_%d" % index), agent.layer_spares,
                 agent.shared_template)
             self.root.disks = agent.layer_disks  # each layer a file system of its own, or None

@@ -68,8 +68,12 @@ def _make(agent):
     if why is None:
         fds = []
         try:
-            fds = _own_tasks_fds()
-            _check_thread_moves(agent.cgroups.sandbox_files("tasks"), fds)
+            # cpuacct too where it is mounted on its own (the usage ledger's CPU, usage.py):
+            # a thread that joined a slot's cpuacct cgroup must leave it as well.
+            ctrls = V1_CONTROLLERS + tuple(c for c in cgroups.Cgroups.OPTIONAL
+                                           if c in agent.cgroups.v1_controllers())
+            fds = _own_tasks_fds(ctrls)
+            _check_thread_moves(agent.cgroups.sandbox_files("tasks"), fds, ctrls)
             starter = ThreadStarter(_start_namespace(agent.spawner.mount_namespace()), fds)
         except OSError as exc:
             why = "%s" % (exc,)
@@ -136,7 +140,7 @@ def _start_namespace(spawner_ns):
     return out[0]
 
 
-def _check_thread_moves(tasks_files, own_fds):
+def _check_thread_moves(tasks_files, own_fds, ctrls=V1_CONTROLLERS):
     """Check once, with the sandbox's own cgroups (``tasks_files``), that a thread moves
     alone, as Linux moves it, and moves back through ``own_fds``: a kernel that moved
     the whole agent (a reimplementation of cgroups, say) would put it in a slot's cgroups
@@ -146,7 +150,7 @@ def _check_thread_moves(tasks_files, own_fds):
     def lines(path):
         with open(path) as fh:
             return sorted(line for line in fh.read().splitlines()
-                          if set(line.split(":", 2)[1].split(",")) & set(V1_CONTROLLERS))
+                          if set(line.split(":", 2)[1].split(",")) & set(ctrls))
 
     def run():
         try:
@@ -173,7 +177,7 @@ def _check_thread_moves(tasks_files, own_fds):
         raise OSError(errno.EPERM, "a thread does not join a cgroup v1 alone here")
 
 
-def _own_tasks_fds():
+def _own_tasks_fds(ctrls=V1_CONTROLLERS):
     """Write descriptors of the agent's own cgroup v1 ``tasks`` files (memory, pids,
     cpu): a thread writes its id there to leave a slot's cgroups, with any credentials.
     Raises OSError when one is not where ``/proc/self/cgroup`` says."""
@@ -182,7 +186,7 @@ def _own_tasks_fds():
     try:
         with open("/proc/self/cgroup") as fh:
             lines = fh.read().splitlines()
-        for ctrl in V1_CONTROLLERS:
+        for ctrl in ctrls:
             path = next((line.split(":", 2)[2] for line in lines
                          if ctrl in line.split(":", 2)[1].split(",")), None)
             if path is None or ctrl not in where:

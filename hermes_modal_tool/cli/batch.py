@@ -22,6 +22,7 @@ from ..config import SandboxConfig
 from ..errors import HermesModalToolError, SetupError
 from ..protocol import MAX_TIMEOUT_S
 from ..status import status_table
+from ..usage import total_usage
 from ._batch_file import Call, Trajectory, parse_batch
 from ._common import InputError, Stopped, make_console, make_profiles, run_stoppable
 from ._expect import check_expectations, strict_problems
@@ -240,7 +241,9 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
             if live is not None:
                 live.done(traj.id)
             try:
-                await backend.release(slot, reset_workspace=True)
+                used = await backend.release(slot, reset_workspace=True, measure_disk=True)
+                if used is not None:
+                    record["usage"] = used.as_dict()
             except HermesModalToolError as exc:
                 record["error"] = f"release failed: {exc}"
     record["ok"] = record["error"] is None and all(s["expectation_met"] for s in record["steps"])
@@ -260,6 +263,7 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
     t_start = time.monotonic()
     ok = 0
     sandboxes = 0
+    usages: list[dict[str, Any]] = []
     by_id = {t.id: t for t in trajectories}
     forks: Forks | None = None
     try:
@@ -277,6 +281,8 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
                                           stats, progress.advance, forks,
                                           None if use_forks else replayed(traj, by_id), progress.live)
             ok += record["ok"]
+            if "usage" in record:
+                usages.append(record["usage"])
             writer.put(i, record)
 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(trajectories)))
@@ -292,7 +298,7 @@ async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxC
             "startup_s": t_run - t_start, "run_s": t_end - t_run, "wall_s": t_end - t_start,
             "p50": percentile(stats.latencies, 50), "p99": percentile(stats.latencies, 99),
             "sandboxes": sandboxes, "status": final_status, "forks": use_forks,
-            "setups": final_status.get("setups", {})}
+            "setups": final_status.get("setups", {}), "usage": total_usage(usages)}
 
 
 def _ms(seconds: float | None) -> str:
@@ -315,6 +321,19 @@ def summary_table(s: Mapping[str, Any]) -> Table:
         ("call latency p99", _ms(s["p99"])),
         ("forks and shared setups", "used" if s.get("forks", True) else "off (--no-fork: each redoes its setup)"),
     ]
+    used = s.get("usage")
+    if used and used["trajectories"]:
+        cpu = ("-" if used["unknown"].get("cpu_user_s") == used["trajectories"]
+               else f"{used['cpu_user_s'] + used['cpu_system_s']:.2f} s")
+        rows.append(("usage (sum over trajectories)",
+                     f"held {used['wall_s']:.2f} s, CPU {cpu}, disk {used['disk_bytes'] / 1e6:.1f} MB, "
+                     f"largest peak memory {used['memory_peak_bytes'] / 1e6:.1f} MB"
+                     + (f", GPU {used['gpu_s']:.1f} s" if used["gpu_s"] else "")))
+    ledgers = [p["usage"] for p in (s.get("status") or {}).get("pools", {}).values() if "usage" in p]
+    if ledgers:
+        rows.append(("slot time: warm / held / not used by any trajectory",
+                     " / ".join(f"{sum(x[k] for x in ledgers):.1f} s" for k in
+                                ("slot_seconds", "held_seconds", "unattributed_warm_s"))))
     for key, setup in (s.get("setups") or {}).items():
         rows.append((f"setup {key[:12]}", f"ran {setup['runs']}x, {setup.get('seconds', '-')} s"
                      + (f", {setup['failures']} failed" if setup.get("failures") else "")))

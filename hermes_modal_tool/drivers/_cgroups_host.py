@@ -97,7 +97,7 @@ def warn_fallback(info: dict[str, Any]) -> None:
 
 def cgroup_dirs(name: str) -> list[Path]:
     """Where the agent of sandbox ``name`` makes its cgroups (v1 controllers, v2 as root)."""
-    roots = [CGROUP_ROOT / c / "hermes-modal-tool" / name for c in ("memory", "pids", "cpu")]
+    roots = [CGROUP_ROOT / c / "hermes-modal-tool" / name for c in ("memory", "pids", "cpu", "cpuacct")]
     return roots + [CGROUP_ROOT / "unified" / "hermes-modal-tool" / name,
                     CGROUP_ROOT / "hermes-modal-tool" / name]
 

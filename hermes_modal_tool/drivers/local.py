@@ -35,6 +35,7 @@ from ..config import SandboxConfig
 from ..errors import IsolationUnavailableError, SandboxStartError
 from ..gpus import LocalGpus
 from ..secrets import resolve_secrets, secret_dirs
+from ..volumes import agent_config
 from . import _cgroups_host
 from ._rootmask import root_only_files
 from .base import Driver, SandboxHandle
@@ -405,6 +406,7 @@ class LocalDriver(Driver):
             "filesystem": config.filesystem,
             "slot_disk": config.slot_disk,
             "disk_limit": config.disk_limit,
+            "volumes": agent_config(config.volumes),
             "hide_host_top": True,
             "layered_root_known": self._device() in _LAYERED_OK,
             "masked": await root_only_files()

@@ -1,0 +1,112 @@
+"""Streamed transfer: MB/s of ``backend.upload`` and ``backend.download`` of one large file
+against ``cp`` of the same file on the same disk, and a neighbour slot's ``echo`` round
+trip (median, p99) meanwhile.
+
+One sandbox, two slots: the *neighbour* runs ``echo hi`` back to back while the other
+slot's file moves; a baseline of the neighbour alone is measured in the same run.
+
+Usage::
+
+    .venv/bin/python benchmarks/transfer.py [--mb 1024] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import machine  # noqa: E402
+from _proc import quantile  # noqa: E402
+
+from hermes_modal_tool import SandboxConfig, ToolBackend  # noqa: E402
+
+
+async def echo_loop(backend: ToolBackend, slot: Any, stop: asyncio.Event, out: list[float]) -> None:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        [r] = await backend.execute_batch([(slot, "bash", {"command": "echo hi"})])
+        out.append(time.perf_counter() - t0)
+        if r.output != "hi\n":
+            raise RuntimeError(f"the neighbour's echo came back wrong: {r.output!r} {r.error!r}")
+        await asyncio.sleep(0.002)
+
+
+async def with_neighbour(backend: ToolBackend, neighbour: Any, work) -> tuple[float, dict[str, Any]]:
+    stop = asyncio.Event()
+    lat: list[float] = []
+    task = asyncio.ensure_future(echo_loop(backend, neighbour, stop, lat))
+    t0 = time.monotonic()
+    try:
+        await work()
+    finally:
+        seconds = time.monotonic() - t0
+        stop.set()
+        await task
+    return seconds, {"echoes": len(lat), "p50_ms": round(quantile(lat, 0.5) * 1000, 2),
+                     "p99_ms": round(quantile(lat, 0.99) * 1000, 2),
+                     "max_ms": round(max(lat, default=float("nan")) * 1000, 2)}
+
+
+def make_file(path: Path, mb: int) -> None:
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as fh:
+        for i in range(mb):
+            fh.write(block[i % 256:] + block[:i % 256])  # not one repeated block
+
+
+async def main(mb: int) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="hmt-transfer-bench-"))
+    src, back, copy = work / "src.bin", work / "back.bin", work / "copy.bin"
+    await asyncio.to_thread(make_file, src, mb)
+    size = src.stat().st_size
+    t0 = time.monotonic()
+    await asyncio.to_thread(subprocess.run, ["cp", str(src), str(copy)], check=True)
+    cp_s = time.monotonic() - t0
+    config = SandboxConfig(name="transfer-bench", slots_per_sandbox=2, min_sandboxes=1, max_sandboxes=1,
+                           memory=4096, slot_disk=mb * 2 + 64, execution_timeout_s=600)
+    out: dict[str, Any] = {"machine": machine(), "mb": mb, "cp_MBps": round(size / 1e6 / cp_s, 1)}
+    try:
+        async with ToolBackend(config) as backend:
+            heavy = await backend.acquire("heavy")
+            neighbour = await backend.acquire("neighbour")
+
+            async def idle() -> None:
+                await asyncio.sleep(3)
+
+            _, out["neighbour_alone"] = await with_neighbour(backend, neighbour, idle)
+            up_s, out["neighbour_during_upload"] = await with_neighbour(
+                backend, neighbour, lambda: backend.upload(heavy, src, "big.bin"))
+            down_s, out["neighbour_during_download"] = await with_neighbour(
+                backend, neighbour, lambda: backend.download(heavy, "big.bin", back))
+            out["upload_MBps"] = round(size / 1e6 / up_s, 1)
+            out["download_MBps"] = round(size / 1e6 / down_s, 1)
+            out["round_trip_equal"] = await asyncio.to_thread(
+                lambda: subprocess.run(["cmp", "-s", str(src), str(back)]).returncode == 0)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=int, default=1024, help="file size in MiB (default 1024)")
+    parser.add_argument("--json", help="also write the numbers to this file")
+    args = parser.parse_args()
+    result = asyncio.run(main(args.mb))
+    print(f"{args.mb} MiB: upload {result['upload_MBps']} MB/s, download {result['download_MBps']} MB/s, "
+          f"cp {result['cp_MBps']} MB/s; round trip equal: {result['round_trip_equal']}")
+    for key in ("neighbour_alone", "neighbour_during_upload", "neighbour_during_download"):
+        n = result[key]
+        print(f"  {key}: {n['echoes']} echoes, p50 {n['p50_ms']} ms, p99 {n['p99_ms']} ms, max {n['max_ms']} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
