@@ -49,7 +49,7 @@ from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .errors import HermesModalToolError
 from .sessions import SlotSessions
 from .slots import ExecutionResult
-from .tools import LIST_FILES_SPEC, TOOL_SPECS, ToolSpec
+from .tools import LIST_FILES_SPEC, TOOL_SPECS, ToolSpec, read_file_text
 
 __all__ = ["SlotToolServer", "mcp_command"]
 
@@ -269,7 +269,8 @@ def _format(tool: str, r: ExecutionResult) -> Any:
                                 "truncated": bool(r.metadata.get("truncated"))})
     if not r.success:
         return _error(f"Error: {r.error}")
-    return types.CallToolResult(content=[types.TextContent(text=r.output or "(empty)")])
+    text = read_file_text(r.output, r.metadata) if tool == "read_file" else r.output
+    return types.CallToolResult(content=[types.TextContent(text=text or "(empty)")])
 
 
 # -- the command ----------------------------------------------------------------------
