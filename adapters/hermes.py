@@ -74,7 +74,7 @@ from pydantic import ValidationError
 
 from ..backend import ToolBackend
 from ..config import ModalSandboxConfig, SandboxConfig
-from ..errors import ConfigError, HermesModalToolError, IsolationUnavailableError
+from ..errors import ConfigError, HermesModalToolError, IsolationUnavailableError, install_hint
 from ..portal import run_sync
 from ..sessions import SlotSessions
 from ..slots import ExecutionResult, SlotState
@@ -227,7 +227,7 @@ def check_terminal_requirements() -> bool:
             if (importlib.util.find_spec("modal") is None
                     or importlib.util.find_spec("hermes_modal_tool.drivers.modal") is None):
                 log.warning("terminal requirements not met: the modal extra is not installed "
-                            "(pip install 'hermes-modal-tool[modal]')")
+                            "(%s)", install_hint("modal"))
                 return False
             if not _modal_credentials():
                 log.warning("terminal requirements not met: no Modal credentials (set MODAL_TOKEN_ID "

@@ -320,7 +320,9 @@ def mcp_command(transport: str, port: int, profiles_file: str | None, profile: s
     try:
         import mcp  # noqa: F401
     except ImportError:
-        raise click.ClickException("the mcp extra is not installed: pip install 'hermes-modal-tool[mcp]'") from None
+        from .errors import install_hint
+
+        raise click.ClickException(f"the mcp extra is not installed: {install_hint('mcp')}") from None
     try:
         backend, name = build_backend(driver, profiles_file, profile)
     except HermesModalToolError as exc:
