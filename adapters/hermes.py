@@ -88,6 +88,7 @@ from .hermes_profiles import (  # noqa: F401
 
 __all__ = [
     "DEFAULT_TASK_ID",
+    "YAML_AVAILABLE",
     "ModalProfile",
     "TERMINAL_TOOL_DESCRIPTION",
     "check_terminal_requirements",
@@ -97,6 +98,11 @@ __all__ = [
     "run_terminal_call",
     "terminal_tool",
 ]
+
+#: The original terminal tool's flag for "PyYAML is importable, so modal_profiles.yaml can be
+#: read" (it fell back to environment variables without it). PyYAML is a dependency here,
+#: so it is always True; code that imports or checks it keeps working.
+YAML_AVAILABLE = importlib.util.find_spec("yaml") is not None
 
 log = logging.getLogger("hermes_modal_tool")
 
