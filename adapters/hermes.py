@@ -74,7 +74,7 @@ from pydantic import ValidationError
 
 from ..backend import ToolBackend
 from ..config import ModalSandboxConfig, SandboxConfig
-from ..errors import ConfigError, HermesModalToolError, IsolationUnavailableError
+from ..errors import ConfigError, HermesModalToolError, IsolationUnavailableError, install_hint
 from ..portal import run_sync
 from ..sessions import SlotSessions
 from ..slots import ExecutionResult, SlotState
@@ -88,6 +88,7 @@ from .hermes_profiles import (  # noqa: F401
 
 __all__ = [
     "DEFAULT_TASK_ID",
+    "YAML_AVAILABLE",
     "ModalProfile",
     "TERMINAL_TOOL_DESCRIPTION",
     "check_terminal_requirements",
@@ -97,6 +98,11 @@ __all__ = [
     "run_terminal_call",
     "terminal_tool",
 ]
+
+#: The original terminal tool's flag for "PyYAML is importable, so modal_profiles.yaml can be
+#: read" (it fell back to environment variables without it). PyYAML is a dependency here,
+#: so it is always True; code that imports or checks it keeps working.
+YAML_AVAILABLE = importlib.util.find_spec("yaml") is not None
 
 log = logging.getLogger("hermes_modal_tool")
 
@@ -227,7 +233,7 @@ def check_terminal_requirements() -> bool:
             if (importlib.util.find_spec("modal") is None
                     or importlib.util.find_spec("hermes_modal_tool.drivers.modal") is None):
                 log.warning("terminal requirements not met: the modal extra is not installed "
-                            "(pip install 'hermes-modal-tool[modal]')")
+                            "(%s)", install_hint("modal"))
                 return False
             if not _modal_credentials():
                 log.warning("terminal requirements not met: no Modal credentials (set MODAL_TOKEN_ID "

@@ -60,7 +60,7 @@ from hermes_modal_tool.errors import PoolTimeoutError, SandboxError, UsageError
 from hermes_modal_tool.portal import portal, run_sync
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import ExecutionResult, Slot
-from hermes_modal_tool.tools import TOOL_SPECS
+from hermes_modal_tool.tools import TOOL_SPECS, read_file_text
 
 __all__ = ["OUTPUT_EVENT", "BashTool", "ReadFileTool", "SandboxToolkit", "SlotSandbox", "WriteFileTool"]
 
@@ -244,6 +244,12 @@ class ReadFileTool(_SlotTool):
     name: str = TOOL_SPECS["read_file"].name
     description: str = TOOL_SPECS["read_file"].description
     args_schema: type[BaseModel] = TOOL_SPECS["read_file"].args_model
+
+    @staticmethod
+    def format_result(result: ExecutionResult) -> str:
+        if result.success:
+            return read_file_text(result.output, result.metadata)
+        return f"Error: {result.error}"
 
 
 class WriteFileTool(_SlotTool):

@@ -42,7 +42,7 @@ from ..errors import UsageError
 from ..portal import run_sync
 from ..sessions import SlotSessions
 from ..slots import ExecutionResult
-from ..tools import TOOL_SPECS
+from ..tools import TOOL_SPECS, read_file_text
 
 __all__ = ["ToolCallOutcome", "ToolDispatcher", "format_result", "openai_tools"]
 
@@ -336,6 +336,8 @@ def format_result(tool: str, result: ExecutionResult) -> str:
             status += f": {result.error}"
         return f"{body}[{status}]"
     if result.success:
+        if tool == "read_file":
+            return read_file_text(result.output, md) or "(empty)"
         return result.output or "(empty)"
     return f"{body}Error: {result.error or f'exit code {rc}'}"
 

@@ -403,24 +403,24 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             try:
                 slot, tool, args = req
             except (TypeError, ValueError):
-                results[i] = ExecutionResult.failure(
+                results[i] = _bad_request(
                     f"request {i}: expected (slot, tool, args), got {req!r:.200}")
                 continue
             if not isinstance(slot, Slot):
-                results[i] = ExecutionResult.failure(f"request {i}: expected a Slot, got {type(slot).__name__}")
+                results[i] = _bad_request(f"request {i}: expected a Slot, got {type(slot).__name__}")
                 continue
             if not isinstance(tool, str):
-                results[i] = ExecutionResult.failure(f"request {i}: tool must be a string, got {tool!r:.100}",
-                                                     slot.slot_id)
+                results[i] = _bad_request(f"request {i}: tool must be a string, got {tool!r:.100}",
+                                          slot.slot_id)
                 continue
             if not isinstance(args, Mapping):
-                results[i] = ExecutionResult.failure(
+                results[i] = _bad_request(
                     f"request {i}: args must be a dict, got {type(args).__name__}", slot.slot_id)
                 continue
             pool = self._pools.get(slot.profile)
             if pool is None:
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
-                                                     slot.slot_id)
+                                                     slot.slot_id, "slot_not_held")
                 continue
             listen = None if on_output is None else streaming.listener(i, slot.slot_id, on_output)
             submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False, listener=listen)
@@ -503,3 +503,8 @@ class ModalToolBackend(ToolBackend):
     @staticmethod
     def _default_config() -> SandboxConfig:
         return ModalSandboxConfig()
+
+
+def _bad_request(error: str, slot_id: str | None = None) -> ExecutionResult:
+    """A request refused before anything ran (``metadata["reason"] == "bad_request"``)."""
+    return ExecutionResult.failure(error, slot_id, "bad_request")

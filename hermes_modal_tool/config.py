@@ -7,6 +7,7 @@ Profiles files and environment variables are read by
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -345,14 +346,27 @@ def validate_profile(name: str, values: Mapping[str, Any], where: str,
     try:
         return cls(**values), []
     except ConfigError as exc:
-        return None, [f"{where}: profile {name!r}: {p}" for p in _describe(exc, keys)]
+        errors = exc.errors()
+    problems = _describe(errors, keys)
+    if errors and all(err["loc"] for err in errors):
+        # pydantic runs the checks across fields (min > max) only when every field is
+        # valid: run them again on the keys that are, so one report lists every problem.
+        bad = {str(err["loc"][0]) for err in errors}
+        try:
+            cls(**{k: v for k, v in values.items() if k not in bad})
+        except ConfigError as again:
+            problems += _describe([e for e in again.errors()
+                                   if not e["loc"] and not any(b in e["msg"] for b in bad)], keys)
+    return None, [f"{where}: profile {name!r}: {p}" for p in problems]
 
 
-def _describe(exc: ValidationError | ConfigError, keys: Mapping[str, str] | None = None) -> list[str]:
-    """One phrase per validation error, naming the key as the user wrote it."""
+def _describe(exc: ValidationError | ConfigError | list[Any],
+              keys: Mapping[str, str] | None = None) -> list[str]:
+    """One phrase per validation error (of ``exc``, or a list of pydantic's error dicts),
+    naming the key as the user wrote it."""
     keys = keys or {}
     problems = []
-    for err in exc.errors():
+    for err in exc if isinstance(exc, list) else exc.errors():
         loc = err["loc"]
         field = str(loc[0]) if loc else ""
         shown = keys.get(field, ".".join(str(p) for p in loc))
@@ -360,7 +374,8 @@ def _describe(exc: ValidationError | ConfigError, keys: Mapping[str, str] | None
         got = f" (got {given!r:.80})" if err["type"] != "missing" else ""
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            problems.append(f"key {shown!r}: unknown key")
+            near = difflib.get_close_matches(field, [*SandboxConfig.model_fields, *ALIASES], n=1)
+            problems.append(f"key {shown!r}: unknown key" + (f" (did you mean {near[0]!r}?)" if near else ""))
         elif field:
             problems.append(f"key {shown!r}: {msg}{got}")
         else:

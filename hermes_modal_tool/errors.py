@@ -133,3 +133,10 @@ class SetupError(SnapshotError):
         super().__init__(message)
         self.output = output
         self.returncode = returncode
+
+
+def install_hint(extra: str) -> str:
+    """How to install the optional ``extra`` (``"mcp"``, ``"modal"``, ...): the released
+    package's command and a checkout's, e.g. ``pip install 'hermes-modal-tool[mcp]' (in a
+    checkout: pip install -e '.[mcp]')``; every "extra is not installed" message ends so."""
+    return f"pip install 'hermes-modal-tool[{extra}]' (in a checkout: pip install -e '.[{extra}]')"

@@ -56,7 +56,7 @@ from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .errors import HermesModalToolError
 from .sessions import SlotSessions
 from .slots import ExecutionResult
-from .tools import LIST_FILES_SPEC, TOOL_SPECS, ToolSpec
+from .tools import LIST_FILES_SPEC, TOOL_SPECS, ToolSpec, read_file_text
 
 __all__ = ["SlotToolServer", "mcp_command"]
 
@@ -281,7 +281,8 @@ def _format(tool: str, r: ExecutionResult) -> Any:
                                 "truncated": bool(r.metadata.get("truncated"))})
     if not r.success:
         return _error(f"Error: {r.error}")
-    return types.CallToolResult(content=[types.TextContent(text=r.output or "(empty)")])
+    text = read_file_text(r.output, r.metadata) if tool == "read_file" else r.output
+    return types.CallToolResult(content=[types.TextContent(text=text or "(empty)")])
 
 
 # -- the command ----------------------------------------------------------------------
@@ -336,7 +337,9 @@ def mcp_command(transport: str, port: int, profiles_file: str | None, profile: s
     try:
         import mcp  # noqa: F401
     except ImportError:
-        raise click.ClickException("the mcp extra is not installed: pip install 'hermes-modal-tool[mcp]'") from None
+        from .errors import install_hint
+
+        raise click.ClickException(f"the mcp extra is not installed: {install_hint('mcp')}") from None
     if token_file and no_auth:
         raise click.UsageError("--token-file and --no-auth: choose one")
     token: str | None = None

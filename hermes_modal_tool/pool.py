@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from .errors import (
     BackendClosedError,
     HermesModalToolError,
     PoolTimeoutError,
+    SandboxError,
     UsageError,
 )
 from .protocol import ProtocolError
@@ -34,6 +36,7 @@ from .resets import SlotResets
 from .sandbox import HOST_GRACE_S, Sandbox
 from .slots import ExecutionResult, Slot, SlotState
 from .usage import Usage
+from .slots import execution_id as new_id
 
 log = logging.getLogger("hermes_modal_tool")
 
@@ -366,7 +369,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         slot = Slot(slot_id=rec.slot_id, workspace_dir=rec.workspace_dir, state=SlotState.ACQUIRED,
                     trajectory_id=trajectory_id, sandbox_id=rec.sandbox.sandbox_id,
                     profile=self.name, index=rec.index, acquired_at=time.time(),
-                    _lease=rec.lease, _sandbox=rec, _held_since=time.monotonic())
+                    lease_id=str(uuid.UUID(new_id())), _lease=rec.lease, _sandbox=rec, _held_since=time.monotonic())
         rec.holder = slot
         rec.sandbox.last_used = time.monotonic()
         self.stats["acquires"] += 1
@@ -426,10 +429,11 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         try:
             rec = self.record_of(slot)
         except UsageError as exc:
-            return ExecutionResult.failure(str(exc), slot.slot_id)
+            return ExecutionResult.failure(str(exc), slot.slot_id, "slot_not_held")
         sb = rec.sandbox
         if sb.dead:
-            return ExecutionResult.failure(f"sandbox {sb.sandbox_id} died: {sb.death_reason}", slot.slot_id)
+            return ExecutionResult.failure(f"sandbox {sb.sandbox_id} died: {sb.death_reason}", slot.slot_id,
+                                           "sandbox_died")
         timeout = timeout_s if timeout_s is not None else self.config.execution_timeout_s
         wait = timeout
         own = args.get("timeout") if tool == "bash" else None
@@ -438,7 +442,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         if wait > MAX_CALL_TIMEOUT_S:
             return ExecutionResult.failure(
                 f"timeout {own if own is not None else wait!r:.40} s is longer than the "
-                f"{MAX_CALL_TIMEOUT_S:g} s maximum", slot.slot_id, returncode=None)
+                f"{MAX_CALL_TIMEOUT_S:g} s maximum", slot.slot_id, "bad_request")
         message = {"op": "call", "slot": rec.index, "tool": tool, "args": args, "timeout": timeout}
         if listener is not None:
             message["stream"] = True
@@ -447,7 +451,8 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         except ProtocolError as exc:
             bad = [k for k, v in args.items() if not _json_ok(v)]
             named = f"argument {', '.join(map(repr, bad))} " if bad else "arguments "
-            return ExecutionResult.failure(f"{tool} {named}cannot be sent as JSON: {exc}", slot.slot_id)
+            return ExecutionResult.failure(f"{tool} {named}cannot be sent as JSON: {exc}", slot.slot_id,
+                                           "bad_request")
         rec.inflight += 1
         calls = slot._calls
         calls[tool] = calls.get(tool, 0) + 1
@@ -471,10 +476,11 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
             else:
                 msg = f"{type(outcome).__name__}: {outcome}"
             self.stats["failures"] += 1
-            return ExecutionResult.failure(msg, slot.slot_id)
+            died = isinstance(outcome, SandboxError)
+            return ExecutionResult.failure(msg, slot.slot_id, "sandbox_died" if died else "lost")
         if not outcome.get("ok"):
             self.stats["failures"] += 1
-            return ExecutionResult.failure(f"agent error: {outcome.get('error')}", slot.slot_id)
+            return ExecutionResult.failure(f"agent error: {outcome.get('error')}", slot.slot_id, "bad_request")
         result = ExecutionResult.from_agent(outcome["result"], slot.slot_id, execution_id, tool)
         if not result.success:
             self.stats["failures"] += 1

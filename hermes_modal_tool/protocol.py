@@ -93,7 +93,7 @@ TOOL_ARGS = {
              "stdin": ("str", False), "env": ("env", False), "encoding": ("output_encoding", False),
              "pty": ("bool", False), "rows": ("cells", False), "cols": ("cells", False)},
     "read_file": {"path": ("str", True), "offset": ("int", False), "limit": ("int", False),
-                  "encoding": ("encoding", False)},
+                  "byte_offset": ("int", False), "encoding": ("encoding", False)},
     "write_file": {"path": ("str", True), "content": ("str", True), "encoding": ("encoding", False),
                    "append": ("bool", False)},
     "list_files": {"path": ("str", False), "recursive": ("bool", False), "max_entries": ("int", False)},

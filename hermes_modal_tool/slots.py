@@ -35,6 +35,10 @@ class Slot:
         profile: the profile (pool) it belongs to.
         index: N, the slot's number inside its sandbox.
         error: why the slot is in ``ERROR`` (its sandbox died), else None.
+        acquired_at: when it was acquired (``time.time()`` seconds).
+        lease_id: this acquisition's id, a random UUID string (``"3f2b...-..."``): unlike
+            ``slot_id`` and ``index``, which name the place and come back after a release,
+            it is never given out again, so a harness can use it as a sandbox id.
     """
 
     slot_id: str
@@ -46,6 +50,7 @@ class Slot:
     index: int = 0
     error: str | None = None
     acquired_at: float | None = None
+    lease_id: str = ""
     _lease: int = field(default=0, repr=False)
     _sandbox: Any = field(default=None, repr=False)
     _held_since: float = field(default=0.0, repr=False)  # time.monotonic() at acquire
@@ -56,6 +61,13 @@ class Slot:
         """True when the slot is free (not held by a trajectory)."""
         return self.state is SlotState.AVAILABLE
 
+
+#: ``metadata["reason"]`` of a result without an exit code (``returncode`` None):
+#: ``bad_request`` (the request or its arguments were refused; nothing ran),
+#: ``slot_not_held`` (released, or from another backend), ``sandbox_died`` (before or
+#: during the call: whether the command ran is unknown), ``lost`` (no answer came: the
+#: same), ``not_run`` (stopped before it started: cancelled, reset, shell not started).
+NOT_RUN_REASONS = ("bad_request", "slot_not_held", "sandbox_died", "lost", "not_run")
 
 _IDS: list[str] = []
 
@@ -85,7 +97,8 @@ class ExecutionResult:
             sandbox, a bad argument or the exit code.
         execution_id: unique id of this call.
         slot_id: the slot it ran in.
-        metadata: ``returncode`` (int or None), ``duration_s`` (seconds),
+        metadata: ``returncode`` (int; None when no command ran, and then ``reason``
+            names why: one of :data:`NOT_RUN_REASONS`), ``duration_s`` (seconds),
             ``timed_out``, ``truncated`` (output or a stream was capped), plus tool
             data (``background``, ``path``, ...; ``stdout_bytes``/``stderr_bytes``,
             the bytes each stream wrote, with ``encoding="bytes"``).
@@ -114,6 +127,10 @@ class ExecutionResult:
     stderr: str | bytes | None = None
 
     def __post_init__(self) -> None:
+        if self.metadata.get("returncode") is None:
+            self.metadata.setdefault("returncode", None)
+            if not self.success:
+                self.metadata.setdefault("reason", "not_run")
         if self.stdout is None:
             self.stdout = self.output
         if self.stderr is None:
@@ -131,9 +148,12 @@ class ExecutionResult:
                           metadata=dict(self.metadata), uniq_id=self.execution_id)
 
     @classmethod
-    def failure(cls, error: str, slot_id: str | None = None, **metadata: Any) -> ExecutionResult:
-        """A failed result that never reached (or never came back from) the sandbox."""
-        meta = {"returncode": None, "duration_s": 0.0, "timed_out": False, "truncated": False}
+    def failure(cls, error: str, slot_id: str | None = None, reason: str = "not_run",
+                **metadata: Any) -> ExecutionResult:
+        """A failed result that never reached (or never came back from) the sandbox:
+        ``returncode`` None and ``reason`` one of :data:`NOT_RUN_REASONS`."""
+        meta = {"returncode": None, "reason": reason, "duration_s": 0.0, "timed_out": False,
+                "truncated": False}
         meta.update(metadata)
         return cls(success=False, error=error, slot_id=slot_id, metadata=meta)
 

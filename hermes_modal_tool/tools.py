@@ -32,8 +32,12 @@ BASH_DESCRIPTION = (
 READ_FILE_DESCRIPTION = (
     "Read a text file from your workspace. `path` is relative to the workspace (or an "
     "absolute path inside it). Returns the file's lines; use `offset` (first line, 0-based) "
-    "and `limit` (number of lines) to read a part of a big file. Use encoding `base64` for "
-    "binary files (then `offset`/`limit` count bytes). " + OUTPUT_LIMIT_NOTE)
+    "and `limit` (number of lines) to read a part of a big file. A read returns at most "
+    "about 50,000 characters of whole lines: when the file goes on, the result ends with "
+    "a note `[the file goes on: ... call read_file with offset=N]`; call read_file again "
+    "with that `offset` (and `byte_offset`, when the note gives one: it continues a line "
+    "longer than one read) to get the next part, until no note is left. Use encoding "
+    "`base64` for binary files (then `offset`/`limit` count bytes).")
 
 LIST_FILES_DESCRIPTION = (
     "List the files and directories under a path of your workspace (directories end with "
@@ -72,6 +76,10 @@ class ReadFileArgs(BaseModel):
     path: str = Field(description="File path, relative to the workspace.")
     offset: int = Field(default=0, ge=0, description="First line to return (0-based); bytes for base64.")
     limit: int | None = Field(default=None, ge=1, description="Most lines to return (bytes for base64); empty for all.")
+    byte_offset: int | None = Field(
+        default=None, ge=0,
+        description="Bytes of line `offset` to skip: only to go on inside a line longer than one read, "
+                    "as a read's note says; empty otherwise.")
     encoding: Literal["text", "base64"] = Field(default="text", description="`text`, or `base64` for binary files.")
 
 
@@ -133,6 +141,47 @@ TOOL_SPECS: dict[str, ToolSpec] = {
 #: ``list_files``: offered by the MCP server next to TOOL_SPECS (the other adapters keep
 #: the three tools above, so their tool lists do not change).
 LIST_FILES_SPEC = ToolSpec("list_files", LIST_FILES_DESCRIPTION, ListFilesArgs)
+
+
+def read_file_note(metadata: dict[str, Any]) -> str | None:
+    """The line a model reads after a partial ``read_file`` page, saying how to read on.
+
+    Args:
+        metadata: the call's ``ExecutionResult.metadata`` (``truncated``, ``next_offset``,
+            ``next_byte_offset``, ``total_lines``, ``size``, ``end_byte``, ``encoding``).
+
+    Returns:
+        ``None`` when the page reached the end of the file, else for example
+        ``[the file goes on: lines 0-1166 of 4000 shown (file 200000 bytes); call
+        read_file with offset=1167 to read on]``.
+    """
+    if not metadata.get("truncated"):
+        return None
+    nxt, size = metadata.get("next_offset"), metadata.get("size")
+    if metadata.get("encoding") == "base64":
+        first = metadata.get("offset", 0)
+        return (f"[the file goes on: bytes {first}-{metadata.get('end_byte', first)} of {size} "
+                f"shown; call read_file with encoding=base64 and offset={nxt} to read on]")
+    if nxt is None:  # past what text reads see: the rest in bytes
+        return (f"[the file goes on past what text reads show (file {size} bytes); call read_file "
+                f"with encoding=base64 and offset={metadata.get('end_byte')} to read on]")
+    first = metadata.get("first_line", 0)
+    last = first + max(1, metadata.get("lines", 1)) - 1
+    skip = metadata.get("next_byte_offset")
+    how = f"offset={nxt}, byte_offset={skip} (line {nxt} is longer than one read)" if skip \
+        else f"offset={nxt}"
+    return (f"[the file goes on: lines {first}-{last} of {metadata.get('total_lines')} shown "
+            f"(file {size} bytes); call read_file with {how} to read on]")
+
+
+def read_file_text(output: str, metadata: dict[str, Any]) -> str:
+    """A successful ``read_file`` result as the model reads it: the page, then on a line of
+    its own the note of :func:`read_file_note` when the file goes on (the adapters' one
+    rendering, so every framework's model is told the same)."""
+    note = read_file_note(metadata)
+    if note is None:
+        return output
+    return f"{output}{'' if not output or output.endswith(chr(10)) else chr(10)}{note}"
 
 
 def _strip_titles(schema: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ def test_batch_runs_each_trajectory_in_its_own_slot(tmp_path: Path) -> None:
     result = run("batch", str(batch), "-o", str(out), "--no-progress", "--slots-per-sandbox", "4")
     assert result.exit_code == 0, result.output
     assert "expectation mismatches" in result.output
+    assert "3 (3 of them expected)" in result.output  # the missing file, exit 3, the timeout
     # Each rate says what it measures; the pool table's x/y columns say what x and y are.
     assert "calls per second (calls / run time)" in result.output
     assert "healthy/all" in result.output and "used/all" in result.output

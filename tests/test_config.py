@@ -423,3 +423,26 @@ def test_profiles_check_lists_every_error(tmp_path):
                   ["'gpu'", "min_pool"], ["'web'"]):
         assert any(all(w in line and str(path) in line for w in words)
                    for line in result.output.splitlines()), (words, result.output)
+
+
+def test_profiles_check_lists_every_problem_of_one_profile(tmp_path):
+    """A misspelt key and a bad value do not hide the check across keys (min > max):
+    ``profiles check`` lists all three problems of the one profile, the typo with a hint."""
+    from click.testing import CliRunner
+
+    from hermes_modal_tool import cli
+
+    path = write(tmp_path, "profiles:\n  default:\n    memroy: 2048\n    min_pool: 5\n"
+                           "    max_pool: 2\n    cpu: -1\n")
+    result = CliRunner().invoke(cli.main, ["profiles", "check", str(path)])
+    assert result.exit_code == 1
+    assert f"{path}: 3 problems:" in result.output, result.output
+    for words in (["'memroy'", "unknown key", "did you mean 'memory'"], ["'cpu'", "(got -1)"],
+                  ["min_sandboxes (5)", "max_sandboxes (2)", "min_pool", "max_pool"]):
+        assert any(all(w in line for w in words) and "'default'" in line
+                   for line in result.output.splitlines()), (words, result.output)
+    # A bad value of a key the check across keys reads does not add a second, made-up problem.
+    path = write(tmp_path, "profiles:\n  default:\n    min_pool: 5\n    max_pool: lots\n")
+    with pytest.raises(ConfigError) as exc:
+        load(path)
+    assert "max_pool" in str(exc.value) and "greater" not in str(exc.value), str(exc.value)

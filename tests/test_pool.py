@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 
 import pytest
 from support import agent_processes, bash, settle
@@ -56,7 +57,9 @@ async def test_acquire_grows_to_max_sandboxes(make_backend):
 
 
 async def test_acquire_times_out_with_a_useful_message(make_backend):
-    backend = await make_backend(min_sandboxes=1, max_sandboxes=2, slots_per_sandbox=2,
+    # Both sandboxes warm before the holders come (start() waits for min_sandboxes): on a
+    # loaded machine a second sandbox can take longer to start than the 0.5 s wait.
+    backend = await make_backend(min_sandboxes=2, max_sandboxes=2, slots_per_sandbox=2,
                                  acquire_timeout_s=0.5)
     for i in range(4):
         await backend.acquire(f"holder-{i}")
@@ -142,6 +145,8 @@ async def test_one_bad_request_fails_only_itself(make_backend):
         ("not a slot", "bash", {"command": "echo x"}),
         (slot, "bash"),
         (slot, "no_such_tool", {}),
+        (slot, "bash", {"command": "exit 3"}),
+        (slot, "read_file", {"path": "missing.txt"}),
         (slot, "bash", {"command": "echo last"}),
     ]
     results = await backend.execute_batch(requests)
@@ -153,6 +158,12 @@ async def test_one_bad_request_fails_only_itself(make_backend):
         assert not r.success, i
         assert r.error, i
     assert "released" in results[3].error or "not held" in results[3].error
+    # Every result has an exit code, or (nothing ran) a named reason instead.
+    assert [r.metadata["returncode"] for r in results] == [0, *[None] * 7, 3, 1, 0]
+    assert [r.metadata.get("reason") for r in results[1:8]] == [
+        "bad_request", "bad_request", "slot_not_held", "bad_request", "bad_request", "bad_request",
+        "bad_request"]
+    assert all("reason" not in r.metadata for r in results[8:])
 
 
 async def test_empty_batch(backend):
@@ -209,6 +220,9 @@ async def test_old_slot_object_is_useless_after_release(make_backend):
     with pytest.raises(UsageError):
         await backend.release(first)
     second = await backend.acquire("second")
+    # The place comes back (one slot); the lease id names one acquisition, never repeated.
+    assert second.slot_id == first.slot_id and second.index == first.index
+    assert uuid.UUID(first.lease_id) and uuid.UUID(second.lease_id) and first.lease_id != second.lease_id
     await bash(backend, second, "echo mine > f")
     r = await bash(backend, first, "cat f; echo intruder > f")
     assert not r.success
@@ -266,6 +280,7 @@ async def test_killed_agent_fails_its_calls_and_the_pool_recovers(make_backend):
     for r in results:
         assert not r.success
         assert "died" in r.error, r.error
+        assert r.returncode is None and r.metadata["reason"] == "sandbox_died", r.metadata
     assert a.state is SlotState.ERROR
     status = pool_status(backend)
     assert status["sandboxes_died"] == 1

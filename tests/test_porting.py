@@ -384,3 +384,13 @@ def test_original_classmethods():
     assert result.to_tool_result().to_dict() == {"success": False, "output": "", "error": "exit code 2",
                                                  "metadata": {"returncode": 2},
                                                  "uniq_id": result.execution_id}
+
+
+def test_the_original_terminal_tools_yaml_flag_imports():
+    """Code written for the original checks ``YAML_AVAILABLE`` before reading
+    modal_profiles.yaml; the import works here and the flag tells the truth."""
+    import importlib.util
+
+    from hermes_modal_tool.adapters.hermes import YAML_AVAILABLE
+
+    assert YAML_AVAILABLE is True and importlib.util.find_spec("yaml") is not None

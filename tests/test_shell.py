@@ -309,18 +309,59 @@ async def test_write_file_content_is_not_interpreted(backend, slot):
     assert (await call(backend, slot, "list_files")).output.splitlines() == ["t.txt"]
 
 
-async def test_read_file_of_a_big_file_is_capped_consistently(backend, slot):
-    await bash(backend, slot, "seq 1 100000 > big.txt; head -c 100000 /dev/urandom > big.bin")
-    r = await call(backend, slot, "read_file", path="big.txt")
-    assert r.success and r.metadata["truncated"] and len(r.output) < 51_000
-    assert r.output.startswith("1\n2\n") and r.output.endswith("99999\n100000\n")
-    # A base64 read returns base64 that decodes to the bytes it says it returned.
+async def read_pages(backend, slot, path, **args):
+    """Page through ``path`` the way a caller is told to: each next read from the
+    ``next_offset`` (and ``next_byte_offset``) of the last; ``(text, results)``."""
+    results = []
+    while True:
+        r = await call(backend, slot, "read_file", path=path, **args)
+        assert r.success, r.error
+        results.append(r)
+        if not r.metadata["truncated"]:
+            return "".join(x.output for x in results), results
+        assert len(results) < 100, r.metadata
+        args = dict(args, offset=r.metadata["next_offset"])
+        args.pop("byte_offset", None)
+        if r.metadata.get("next_byte_offset"):
+            args["byte_offset"] = r.metadata["next_byte_offset"]
+
+
+async def test_read_file_pages_say_where_to_go_on_and_return_the_whole_file(backend, slot):
+    """A 200 kB file of short lines and one with a 120 kB line: every partial page says
+    truncated, the size, the line count and where to go on; paging returns the file exactly,
+    also with a line ``limit``; the model reads a note saying how to go on."""
+    from hermes_modal_tool.adapters.openai import format_result
+
+    lines = "".join(f"line {i} " + "x" * (i % 90) + "\n" for i in range(3700))
+    long = "head\n" + "é€b" * 20_000 + "\ntail"  # 120 kB of one line, multibyte characters
+    for name, text in (("lines.txt", lines), ("long.txt", long)):
+        size = len(text.encode())
+        assert (await call(backend, slot, "write_file", path=name, content=text)).success
+        got, pages = await read_pages(backend, slot, name)
+        assert got == text and len(pages) >= 3, (name, len(pages))
+        for r in pages[:-1]:
+            md = r.metadata
+            assert md["truncated"] and md["size"] == size and md["total_lines"] == len(text.splitlines())
+            assert md["next_offset"] is not None and len(r.output) <= 50_000
+            assert f"offset={md['next_offset']}" in format_result("read_file", r)
+        assert pages[-1].metadata["next_offset"] is None
+        assert "the file goes on" not in format_result("read_file", pages[-1])
+    assert any("next_byte_offset" in r.metadata for r in pages)  # the long line took several pages
+    # A line limit shorter than the file is a partial result too.
+    r = await call(backend, slot, "read_file", path="lines.txt", limit=10)
+    assert r.output == "".join(lines.splitlines(True)[:10])
+    assert r.metadata["truncated"] and r.metadata["next_offset"] == 10 and r.metadata["total_lines"] == 3700
+    got, pages = await read_pages(backend, slot, "lines.txt", limit=1000)
+    assert got == lines and len(pages) >= 4
+    # A base64 read says where the next bytes start.
+    await bash(backend, slot, "head -c 100000 /dev/urandom > big.bin")
     r = await call(backend, slot, "read_file", path="big.bin", encoding="base64")
-    assert r.success
     data = base64.b64decode(r.output, validate=True)
-    assert len(data) == r.metadata["bytes"]
-    whole = await backend.read_artifact(slot, "big.bin", encoding="base64")
-    assert base64.b64decode(whole["content"]).startswith(data)
+    assert len(data) == r.metadata["bytes"] and r.metadata["next_offset"] == len(data) < 100_000
+    whole = await backend.read_artifact(slot, "big.bin", encoding="base64", max_bytes=200_000)
+    _, pages = await read_pages(backend, slot, "big.bin", encoding="base64")
+    assert len(pages) == 3 and data == base64.b64decode(pages[0].output)
+    assert b"".join(base64.b64decode(x.output) for x in pages) == base64.b64decode(whole["content"])
 
 
 async def test_base64_round_trip(backend, slot):

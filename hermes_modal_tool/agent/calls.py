@@ -82,7 +82,7 @@ class Calls:
             timeout = float(msg.get("timeout") or 30.0)
             problem = protocol.check_args(tool, args)
             if problem is not None:  # nothing ran: no exit code
-                done(protocol.call_result(error=problem, returncode=None))
+                done(protocol.call_result(error=problem, returncode=None, data={"reason": "bad_request"}))
             elif tool == "bash":
                 self.start_bash(slot, msg, args, timeout, done)
             else:

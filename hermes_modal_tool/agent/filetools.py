@@ -39,88 +39,123 @@ def _require_path(args):
 
 
 def read_file(ws, args, output_limit=50000):
-    """``{path, offset, limit, encoding}``: text reads lines (``offset`` 0-based first line,
-    ``limit`` max lines); base64 reads bytes (``offset``/``limit`` in bytes)."""
+    """``{path, offset, limit, byte_offset, encoding}``: one page of a file.
+
+    text: whole lines from line ``offset`` (0-based; ``byte_offset`` bytes into it, to go on
+    inside a line longer than a page), at most ``limit`` lines and ``output_limit`` bytes.
+    base64: bytes from byte ``offset``, at most ``limit`` and the output cap.
+
+    A page that does not reach the end of the file says ``truncated: true`` and where to go
+    on: ``next_offset`` (and, for a text page that ended inside a line, ``next_byte_offset``);
+    reading each next page that way returns the whole file exactly. Text pages see the
+    first :data:`MAX_READ_BYTES` of a file (``total_lines`` counts those); past that
+    ``next_offset`` is None and base64 reads go on from byte ``end_byte``.
+    """
     path = _require_path(args)
     enc = _encoding(args)
     offset = _opt_int(args, "offset", 0)
     limit = _opt_int(args, "limit", None, 1)
+    skip = _opt_int(args, "byte_offset", 0)
     if enc == "base64":
+        if skip:
+            raise FileToolError("byte_offset is for text reads; a base64 read's offset is in bytes")
         # Cap by bytes so the base64 stays decodable; continue with a larger offset.
         cap = max(3, (output_limit // 4) * 3)
         want = cap if limit is None else min(limit, cap)
         data, st, shown = ws.read_bytes(path, offset, want)
-        more = offset + len(data) < st.st_size and (limit is None or limit > len(data))
+        end = offset + len(data)
+        more = end < st.st_size and (limit is None or limit > len(data))
         return base64.b64encode(data).decode(), {"path": shown, "size": st.st_size, "offset": offset,
                                                  "bytes": len(data), "encoding": "base64",
-                                                 "truncated": more}
+                                                 "end_byte": end, "truncated": more,
+                                                 "next_offset": end if more else None}
     fh, st, shown = ws.open_read(path)
     with fh:
-        head, tail, dropped, lines, total = _read_lines(fh, offset, limit, 2 * output_limit)
-    text = head.decode("utf-8", "replace")
-    truncated = False
-    if dropped:  # the middle was never held: head and tail around the marker, as _cap does
-        keep = output_limit // 2
-        tail_text = tail.decode("utf-8", "replace")
-        omitted = len(text) - keep + dropped + len(tail_text) - keep
-        from .shell import marker
-        text = text[:keep] + marker(omitted) + tail_text[len(tail_text) - keep:]
-        truncated = True
-    else:
-        text += tail.decode("utf-8", "replace")
-    return text, {"path": shown, "size": st.st_size, "total_lines": total, "first_line": offset,
-                  "lines": lines, "encoding": "text", "truncated": truncated}
+        page = _read_page(fh, offset, skip, limit, max(4, output_limit))
+    data, lines, total, end, next_offset, next_skip = page
+    info = {"path": shown, "size": st.st_size, "total_lines": total, "first_line": offset,
+            "lines": lines, "encoding": "text", "end_byte": end,
+            "truncated": next_offset is not None or end < st.st_size,
+            "next_offset": next_offset}
+    if skip:
+        info["byte_offset"] = skip
+    if next_skip:
+        info["next_byte_offset"] = next_skip
+    return data.decode("utf-8", "replace"), info
 
 
-def _read_lines(fh, offset, limit, keep):
-    """Lines ``offset`` .. ``offset + limit`` of a file (all from ``offset`` when ``limit`` is
-    None) as ``(head, tail, dropped, lines, total)``: the first ``keep`` bytes of them, the
-    last ``keep`` bytes after those, how many bytes between were dropped, how many lines
-    were chosen, and the file's line count (of its first :data:`MAX_READ_BYTES`).
+def _read_page(fh, offset, skip, limit, budget):
+    """The page of a text read as ``(data, lines, total, end, next_offset, next_skip)``:
+    the page's bytes, how many lines they touch, the file's line count (of its first
+    :data:`MAX_READ_BYTES`), the byte position after the page, and where the next page
+    starts (None when the page reaches the end of what text reads see).
 
-    Memory is bounded by ``3 * keep`` plus one chunk whatever the file holds; time is
-    linear in the file (lines are counted in C with ``bytes.count``).
+    One pass counts the lines and finds where line ``offset`` starts (bytes are counted in
+    C with ``bytes.count``); the page itself is one read of at most ``budget`` bytes, so
+    memory stays bounded by a chunk plus a page whatever the file holds.
     """
-    end = None if limit is None else offset + limit
-    head = bytearray()
-    tail = bytearray()
-    dropped = chosen_lines = 0
-    line = 0  # index of the line the next chunk starts in
-    read = 0
+    line = 0  # lines that ended before the current chunk
+    pos = 0  # byte position of the current chunk
+    start = stop = None  # where line `offset` starts and where its newline is
     last = b""
-    while read < MAX_READ_BYTES:
-        chunk = fh.read(min(READ_CHUNK, MAX_READ_BYTES - read))
+    while pos < MAX_READ_BYTES:
+        chunk = fh.read(min(READ_CHUNK, MAX_READ_BYTES - pos))
         if not chunk:
             break
-        read += len(chunk)
-        last = chunk
         breaks = chunk.count(b"\n")
-        if line + breaks >= offset and (end is None or line < end):
-            # The chosen lines of this chunk as one slice (no per-line work: a file of
-            # millions of short lines must not hold the GIL line by line).
-            start = 0 if offset <= line else _after_nth(chunk, offset - line)
-            stop = len(chunk) if end is None or end > line + breaks else _after_nth(chunk, end - line)
-            piece = chunk[start:stop]
-            chosen_lines += piece.count(b"\n")
-            room = keep - len(head)
-            if room > 0:
-                head += piece[:room]
-                piece = piece[room:]
-            tail += piece
-            if len(tail) > 2 * keep:
-                cut = len(tail) - keep
-                dropped += cut
-                del tail[:cut]
+        if start is None and line + breaks >= offset:
+            start = pos + (_after_nth(chunk, offset - line) if offset > line else 0)
+        if start is not None and stop is None:
+            at = chunk.find(b"\n", max(0, start - pos))
+            if at >= 0:
+                stop = pos + at
         line += breaks
-    if last and not last.endswith(b"\n"):
-        if offset <= line and (end is None or line < end):
-            chosen_lines += 1  # the last line has no newline
-        line += 1
-    if len(tail) > keep:
-        cut = len(tail) - keep
-        dropped += cut
-        del tail[:cut]
-    return bytes(head), bytes(tail), dropped, chosen_lines, line
+        pos += len(chunk)
+        last = chunk
+    horizon = pos  # what text reads see: the file, or its first MAX_READ_BYTES
+    total = line + (1 if last and not last.endswith(b"\n") else 0)
+    if start is None or start >= horizon:
+        return b"", 0, total, horizon, None, 0
+    line_end = horizon if stop is None else stop
+    if start + skip > line_end:
+        raise FileToolError("byte_offset %d is past the end of line %d (%d bytes long)"
+                            % (skip, offset, line_end - start))
+    begin = start + skip
+    fh.seek(begin)
+    data = fh.read(min(budget, horizon - begin))
+    end_offset = None
+    if limit is not None:
+        cut = _after_nth_or_none(data, limit)
+        if cut is not None:
+            data = data[:cut]
+            end_offset = offset + limit
+    end = begin + len(data)
+    if end_offset is None and end < horizon:  # the page is full: end it after a whole line
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            data = data[:cut]
+            end_offset = offset + data.count(b"\n")
+        else:  # the line is longer than a page: cut it (between UTF-8 characters)
+            cut = _char_boundary(data)
+            return data[:cut], 1, total, begin + cut, offset, skip + cut
+        end = begin + len(data)
+    lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    if end >= horizon:
+        return data, lines, total, end, None, 0
+    return data, lines, total, end, end_offset, 0
+
+
+def _char_boundary(data):
+    """The length of ``data`` less a UTF-8 character cut at its end (all of it when none is)."""
+    i = len(data)
+    while i > 0 and len(data) - i < 3 and 0x80 <= data[i - 1] < 0xC0:
+        i -= 1  # continuation bytes
+    if i > 0 and data[i - 1] >= 0xC0:
+        lead = data[i - 1]
+        need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        if len(data) - (i - 1) < need and i > 1:
+            return i - 1
+    return len(data)
 
 
 def _after_nth(data, n):
@@ -128,6 +163,16 @@ def _after_nth(data, n):
     pos = -1
     for _ in range(n):
         pos = data.find(b"\n", pos + 1)
+    return pos + 1
+
+
+def _after_nth_or_none(data, n):
+    """The index just after the ``n``-th newline of ``data``, or None when it has fewer."""
+    pos = -1
+    for _ in range(n):
+        pos = data.find(b"\n", pos + 1)
+        if pos < 0:
+            return None
     return pos + 1
 
 

@@ -21,7 +21,7 @@ from .. import __version__
 from ..mcp_server import mcp_command
 from ..protocol import TOOL_ARGS
 from ._batch_file import parse_batch
-from ._common import InputError
+from ._common import InputError, show_config_warnings
 from .batch import batch as batch_command
 from .exec import exec_ as exec_command
 from .images import images as images_group
@@ -35,6 +35,7 @@ __all__ = ["InputError", "TOOL_ARGS", "main", "parse_batch"]
 @click.version_option(__version__, prog_name="hermes-modal-tool")
 def main() -> None:
     """Isolated shell workspaces (slots) for agent trajectories, pooled in sandboxes."""
+    show_config_warnings()
     show_image_progress()
 
 

@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 
 from ..config import SandboxConfig, load_profiles
-from ..errors import ConfigError
+from ..errors import ConfigError, ConfigWarning
 
 
 class InputError(click.ClickException):
@@ -59,6 +59,27 @@ def _first_error(exc: ValueError) -> str:
     if callable(errors):
         return "; ".join(e["msg"] for e in errors())
     return str(exc)
+
+
+def show_config_warnings() -> None:
+    """Print each :class:`ConfigWarning` as one line of ours on stderr, ``warning: MESSAGE``,
+    instead of Python's ``file.py:40: ConfigWarning: ...`` and the source line; other
+    warnings are shown as Python shows them. Idempotent."""
+    import warnings
+
+    shown = warnings.showwarning
+    if getattr(shown, "_hermes_cli", False):
+        return
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if issubclass(category, ConfigWarning):
+            click.echo(f"warning: {message}", err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show._hermes_cli = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 def make_console(stderr: bool = False) -> Console:

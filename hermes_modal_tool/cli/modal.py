@@ -11,7 +11,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ..errors import CredentialsError, HermesModalToolError
+from ..errors import CredentialsError, HermesModalToolError, install_hint
 from ._common import make_console
 
 
@@ -36,7 +36,7 @@ def modal_gc(app_name: str | None, dry_run: bool, include_other_hosts: bool) -> 
     Exit code 0, or 1 when a sandbox could not be terminated or Modal refused.
     """
     if find_spec("modal") is None:
-        click.echo("the modal extra is not installed: pip install 'hermes-modal-tool[modal]'", err=True)
+        click.echo(f"the modal extra is not installed: {install_hint('modal')}", err=True)
         sys.exit(2)
     console = make_console()
     try:

@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from ..config import load_profiles
-from ..errors import ConfigError
+from ..errors import ConfigError, install_hint
 from ._common import make_console
 
 
@@ -45,4 +45,4 @@ def profiles_check(file: str) -> None:
     modal_users = [n for n, p in loaded.items() if p.driver == "modal"]
     if modal_users and find_spec("modal") is None:
         console.print(f"note: profile(s) {', '.join(modal_users)} use the modal driver; install "
-                      "it with: pip install 'hermes-modal-tool[modal]'", markup=False)
+                      f"it with: {install_hint('modal')}", markup=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..errors import ConfigError, install_hint
 from .base import Driver, SandboxHandle
 
 __all__ = ["Driver", "SandboxHandle", "make_driver"]
@@ -23,7 +23,7 @@ def make_driver(name: str, **options) -> Driver:
             from .modal import ModalDriver as cls
         except ImportError as exc:
             raise ConfigError(f"driver 'modal' needs the Modal SDK ({exc}); "
-                              "install 'hermes-modal-tool[modal]' or use driver='local'") from None
+                              f"{install_hint('modal')}, or use driver='local'") from None
     else:
         raise ConfigError(f"unknown driver {name!r}; known drivers: local, modal")
     try:
