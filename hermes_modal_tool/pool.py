@@ -35,8 +35,8 @@ from .protocol import ProtocolError
 from .resets import SlotResets
 from .sandbox import HOST_GRACE_S, Sandbox
 from .slots import ExecutionResult, Slot, SlotState
-from .usage import Usage
 from .slots import execution_id as new_id
+from .usage import Usage
 
 log = logging.getLogger("hermes_modal_tool")
 
@@ -369,7 +369,8 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         slot = Slot(slot_id=rec.slot_id, workspace_dir=rec.workspace_dir, state=SlotState.ACQUIRED,
                     trajectory_id=trajectory_id, sandbox_id=rec.sandbox.sandbox_id,
                     profile=self.name, index=rec.index, acquired_at=time.time(),
-                    lease_id=str(uuid.UUID(new_id())), _lease=rec.lease, _sandbox=rec, _held_since=time.monotonic())
+                    lease_id=str(uuid.UUID(new_id())), _lease=rec.lease, _sandbox=rec,
+                    _held_since=time.monotonic())
         rec.holder = slot
         rec.sandbox.last_used = time.monotonic()
         self.stats["acquires"] += 1
