@@ -38,6 +38,9 @@ RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _MAX_HOPS = 40
+# openat2 errors after which the walk decides: no openat2 (ENOSYS), a seccomp filter
+# (EPERM), a rename racing RESOLVE_IN_ROOT (EAGAIN), flags this kernel does not know
+# (EINVAL). ELOOP and EXDEV (a symlink or ".." where none may be) are final.
 _FALLBACK = (errno.ENOSYS, errno.EPERM, errno.EAGAIN, errno.EINVAL)
 _openat2_missing = []  # [True] once openat2 failed with ENOSYS: walk from then on
 
