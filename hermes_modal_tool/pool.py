@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from collections import deque
@@ -40,7 +41,10 @@ from .usage import Usage
 
 log = logging.getLogger("hermes_modal_tool")
 
-START_TIMEOUT_S = 120.0
+#: Seconds one sandbox may take to start (the driver's start and the agent's init);
+#: ``HERMES_MODAL_TOOL_START_TIMEOUT_S`` sets another (an emulated VM of the host matrix
+#: needs minutes: tests/hosts).
+START_TIMEOUT_S = float(os.environ.get("HERMES_MODAL_TOOL_START_TIMEOUT_S") or 120.0)
 MAX_CALL_TIMEOUT_S = 86400.0
 #: How many of the last released free slots ``acquire`` chooses from (the oldest of them).
 PICK_WINDOW = 8

@@ -21,14 +21,17 @@ AGENT_MARK = b"hermes_modal_tool.agent.main"
 SLOT_UID_MIN = 200000
 #: Set in every slot of a config made by the make_backend fixture (see Leftovers).
 TOKEN_VAR = "HMT_TEST_TOKEN"
+#: How much slower than this 2-core machine the tests' default timeouts allow
+#: (``HMT_TEST_TIME_SCALE``: an emulated VM of the host matrix sets 10).
+TIME_SCALE = float(os.environ.get("HMT_TEST_TIME_SCALE") or 1.0)
 #: Small defaults: tests run on a 2-core machine and must stay fast.
 SMALL: dict[str, Any] = {
     "slots_per_sandbox": 2,
     "min_sandboxes": 1,
     "max_sandboxes": 2,
     "memory": 1024,
-    "acquire_timeout_s": 5.0,
-    "execution_timeout_s": 10.0,
+    "acquire_timeout_s": 5.0 * TIME_SCALE,
+    "execution_timeout_s": 10.0 * TIME_SCALE,
 }
 T = TypeVar("T")
 SHM_DIR = re.compile(rb"/dev/shm/hermes-modal-tool-[A-Za-z0-9_]+")

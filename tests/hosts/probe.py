@@ -2,7 +2,8 @@
 any host: ``python -m tests.hosts.probe``): the limit mode and caps the local driver
 reports, and the per-slot memory limit seen from the host.
 
-Prints one JSON line, ``HOSTS-PROBE {...}``:
+Prints one JSON line, ``HOSTS-PROBE {...}`` (``{"start_error": ...}`` where the backend
+could not start):
 
 - ``limits``, ``limits_note``, ``memory_enforced``, ``pids_enforced``, ``cpu_enforced``:
   from ``get_status()``;
@@ -54,8 +55,9 @@ while time.time() < end:
 TOTAL = ("rm -rf /tmp/hold; mkdir /tmp/hold; cat > /tmp/hold.py <<'PY'\n" + HOLD + "PY\n"
          "for i in 1 2 3; do python3 /tmp/hold.py & done; wait")
 #: CPU seconds a busy loop gets in 2 s of wall time (the sandbox has cpu=0.5).
-SPIN = ("python3 -c \"import os, time\nend = time.time() + 2\nwhile time.time() < end: pass\n"
-        "t = os.times(); print(round(t.user + t.system, 2))\"")
+SPIN = ("python3 -c \"import os, time\nt0 = os.times()\nend = time.time() + 2\n"
+        "while time.time() < end: pass\n"
+        "t = os.times(); print(round(t.user + t.system - t0.user - t0.system, 2))\"")
 
 
 def _slot_cgroup_memory_max(status: dict) -> str | None:
@@ -76,7 +78,10 @@ def _slot_cgroup_memory_max(status: dict) -> str | None:
 async def main() -> dict:
     backend = ToolBackend(SandboxConfig(slots_per_sandbox=2, min_sandboxes=1, max_sandboxes=1,
                                         slot_memory=128, memory=512, pids_limit=64, cpu=0.5))
-    await backend.start()
+    try:
+        await backend.start()
+    except Exception as exc:  # noqa: BLE001 - reported: a host without user namespaces, say
+        return {"start_error": f"{type(exc).__name__}: {exc}"}
     try:
         pool = backend.get_status()["pools"][backend.default_profile]
         caps = pool["caps"]
@@ -118,5 +123,7 @@ async def main() -> dict:
 if __name__ == "__main__":
     result = asyncio.run(main())
     print("HOSTS-PROBE " + json.dumps(result), flush=True)
+    if "start_error" in result:
+        sys.exit(2)
     oom = result["oom"]
     sys.exit(0 if oom["reported"] and oom["neighbour_started"] and oom["neighbour_alive"] else 1)

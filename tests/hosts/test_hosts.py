@@ -22,14 +22,14 @@ async def test_this_hosts_limits_hold_as_its_mode_promises():
     it are cut short (a slot total), the sandbox's CPU cap holds a busy loop to about
     cpu=0.5, and caps name a per-slot cgroup limit. Without cgroups the status says why."""
     result = await probe.main()
-    row = {"probe": result, "main": None, "tests": None}
+    row = {"cell": "host", "probe": result, "main": None, "tests": None}
     assert run.verdict(row), result
 
 
 @pytest.mark.skipif(not os.environ.get("HERMES_MODAL_TOOL_HOSTS"),
                     reason="VM cells run with HERMES_MODAL_TOOL_HOSTS=1 (minutes each: "
                            "python -m tests.hosts.run prints the table)")
-@pytest.mark.parametrize("cell", ["v2-root", "v2-user"])
+@pytest.mark.parametrize("cell", ["v2-root", "v2-user", "v2-user-nouserns", "v2-user-systemd"])
 async def test_vm_cell(cell):
     why = vm.missing()
     if why:
