@@ -49,17 +49,23 @@ class PoolUsage:
         self._held_s_done += held
         return held
 
-    async def _measure(self, rec: _Record | None, slot: Slot, wall_s: float, disk: bool = False) -> Usage:
-        """Ask the slot's agent what the tenant used; never raises for a dead or slow agent
-        (the Usage then says ``source="host"`` and why in ``notes``)."""
-        reply: dict[str, Any] | None = None
-        note = None
+    def _ask_usage(self, rec: _Record | None, disk: bool = False) -> tuple[Any, str | None]:
+        """Queue the ``usage`` request (written with the sandbox's next flush): the future
+        of its reply, or None and why the agent is not asked."""
         if rec is None or rec.sandbox.dead:
-            note = "its sandbox ended: only the host's counts"
-        else:
+            return None, "its sandbox ended: only the host's counts"
+        _, fut = rec.sandbox.submit({"op": "usage", "slot": rec.index, "disk": disk},
+                                    USAGE_TIMEOUT_S, flush=False)
+        return fut, None
+
+    async def _usage_of(self, asked: tuple[Any, str | None], slot: Slot, wall_s: float) -> Usage:
+        """The :class:`Usage` from an :meth:`_ask_usage`; never raises for a dead or slow
+        agent (then ``source="host"`` and why in ``notes``)."""
+        fut, note = asked
+        reply: dict[str, Any] | None = None
+        if fut is not None:
             try:
-                answer = await rec.sandbox.request({"op": "usage", "slot": rec.index, "disk": disk},
-                                                   USAGE_TIMEOUT_S)
+                answer = await fut
             except SandboxError as exc:
                 note = f"the agent was not asked: {exc}"
             else:
@@ -70,6 +76,13 @@ class PoolUsage:
         return from_agent(reply, slot_id=slot.slot_id, trajectory_id=slot.trajectory_id,
                           profile=self.name, wall_s=wall_s, calls=slot._calls,
                           gpu=self._has_gpu(), note=note)
+
+    async def _measure(self, rec: _Record | None, slot: Slot, wall_s: float, disk: bool = False) -> Usage:
+        """Ask the slot's agent what the tenant used (one round trip)."""
+        asked = self._ask_usage(rec, disk)
+        if rec is not None and asked[0] is not None:
+            rec.sandbox.flush()
+        return await self._usage_of(asked, slot, wall_s)
 
     async def _ended_lease_usage(self, slot: Slot) -> Usage | None:
         """The host's counts for a lease its sandbox ended (once: the slot is forgotten)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import logging
 import math
 import os
 import time
@@ -38,8 +37,6 @@ from .sandbox import HOST_GRACE_S, Sandbox
 from .slots import ExecutionResult, Slot, SlotState
 from .slots import execution_id as new_id
 from .usage import Usage
-
-log = logging.getLogger("hermes_modal_tool")
 
 #: Seconds one sandbox may take to start (the driver's start and the agent's init);
 #: ``HERMES_MODAL_TOOL_START_TIMEOUT_S`` sets another (an emulated VM of the host matrix
@@ -412,11 +409,18 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         rec.lease += 1
         rec.ready = False
         rec.sandbox.last_used = time.monotonic()
-        usage = await self._measure(rec, slot, self._lease_ended(slot), measure_disk)
-        if reset_workspace:
+        held = self._lease_ended(slot)
+        if reset_workspace and not measure_disk:
+            # The usage request goes out with the reset's (one write, one round trip).
+            asked = self._ask_usage(rec)
             await self._reset(rec)
-        else:
-            self._spawn(self._reset(rec), f"hermes-modal-tool reset {rec.slot_id}")
+            usage = await self._usage_of(asked, slot, held)
+        else:  # (a disk walk must see the old layer: it is measured before the reset)
+            usage = await self._measure(rec, slot, held, measure_disk)
+            if reset_workspace:
+                await self._reset(rec)
+            else:
+                self._spawn(self._reset(rec), f"hermes-modal-tool reset {rec.slot_id}")
         slot.state = SlotState.AVAILABLE
         slot.trajectory_id = None
         return usage
