@@ -11,7 +11,7 @@ import difflib
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -30,6 +30,7 @@ __all__ = ["ALIASES", "ENV_KEYS", "ENV_PREFIXES", "ModalSandboxConfig", "Sandbox
            "build_profile", "load_profiles", "read_profiles_file", "validate_profile"]
 
 DriverName = Literal["local", "modal"]
+_Config = TypeVar("_Config", bound="SandboxConfig")
 
 
 class SandboxConfig(BaseModel):
@@ -234,7 +235,8 @@ class SandboxConfig(BaseModel):
             check_volumes(self.volumes, self.workspace_base, self.driver)
         return self
 
-    def with_app_name(self, base_app: str | None = None, *, base: str | None = None) -> SandboxConfig:
+    def with_app_name(self: _Config, base_app: str | None = None, *,
+                      base: str | None = None) -> _Config:
         """Return a copy whose ``app_name`` is ``"{base_app}-{name}"``.
 
         Args:
@@ -309,6 +311,11 @@ class ModalSandboxConfig(SandboxConfig):
     """:class:`SandboxConfig` with ``driver="modal"`` by default (the original's name)."""
 
     driver: DriverName = Field("modal", description="'modal' (default here) or 'local'.")
+
+    def __init__(self, **data: Any) -> None:
+        """As :class:`SandboxConfig`'s (here so type checkers see the same keyword
+        arguments: pydantic's synthesized one would make every field required)."""
+        super().__init__(**data)
 
 
 def build_profile(name: str, data: Mapping[str, Any], where: str,

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev    # everything the tests need
 .venv/bin/ruff check hermes_modal_tool adapters tests benchmarks
+.venv/bin/mypy  # the public API, typed as a caller uses it ([tool.mypy] in pyproject.toml)
 if [ $# -eq 0 ]; then
   bash scripts/setup.sh agents  # the OpenAI Agents SDK's own environment
   .venv-agents/bin/python -m pytest -q -p no:cacheprovider tests/adapters/test_openai_agents*.py

@@ -115,3 +115,24 @@ def test_exception_tree():
     assert issubclass(BackendClosedError, UsageError)
     assert issubclass(PoolTimeoutError, TimeoutError)
     assert issubclass(ConfigError, ValueError)
+
+
+def test_the_type_check_covers_every_public_name_and_the_marker_ships():
+    """scripts/test.sh runs mypy --strict on tests/typing/public_api.py ([tool.mypy]): it must
+    use every public name; py.typed (PEP 561) is in the package and in its package data."""
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parent.parent
+    typed = (root / "tests" / "typing" / "public_api.py").read_text()
+    body = typed.split(")\n", 1)[1]  # after the import list: each name must be used
+    assert [n for n in hermes_modal_tool.__all__ if not re.search(rf"\b{n}\b", body)] == []
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert project["tool"]["mypy"]["strict"] is True
+    assert "tests/typing/public_api.py" in project["tool"]["mypy"]["files"]
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["hermes_modal_tool"]
+    assert (Path(hermes_modal_tool.__file__).parent / "py.typed").is_file()
