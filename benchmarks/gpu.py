@@ -75,9 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config(name: str, slots: int, gpu: str, **fields: Any) -> SandboxConfig:
+    """One sandbox of ``slots`` slots, each with 3 GiB (a CUDA context and PyTorch take
+    about 1) and the machine's cores, so that the host side of the job is not what waits."""
     return SandboxConfig(name=name, gpu=gpu, slots_per_sandbox=slots, min_sandboxes=1, max_sandboxes=1,
-                         memory=max(2048, 1024 * slots), execution_timeout_s=600, acquire_timeout_s=120,
-                         **fields)
+                         memory=3072 * slots, cpu=float(min(slots, os.cpu_count() or 1)),
+                         execution_timeout_s=600, acquire_timeout_s=120, **fields)
 
 
 async def bash(backend: ToolBackend, slot: Any, command: str, timeout: float = 600) -> Any:

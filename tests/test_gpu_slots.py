@@ -69,6 +69,9 @@ def standin(gpus: int = 2, model: str = MODEL, mps: bool = False) -> Path:
     os.mknod(root / "dev/nvidia-uvm-tools", 0o666 | stat.S_IFCHR, os.makedev(UVM_MAJOR, 1))
     (root / "proc/driver/nvidia/version").write_text(
         f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {VERSION}  Sun Jul 20 2025\n")
+    (root / "sys/module/nvidia").mkdir(parents=True)
+    (root / "sys/module/nvidia/version").write_text(VERSION + "\n")
+    (root / "sys/bus/pci/devices").mkdir(parents=True)
     lib = root / "usr/local/nvidia/lib64"
     lib.mkdir(parents=True)
     for name in ("libcuda.so", "libnvidia-ml.so", "libnvidia-ptxjitcompiler.so"):
@@ -113,6 +116,7 @@ def gpu_root(monkeypatch):
 
 
 SEE = ("for n in /dev/nvidia*; do test -c $n && echo char:$n; done; "
+       "echo module=$(cat /sys/module/nvidia/version 2>/dev/null); "
        "ls /dev/nvidia-caps >/dev/null 2>&1 && echo caps; "
        "echo visible=$CUDA_VISIBLE_DEVICES nvidia=$NVIDIA_VISIBLE_DEVICES; ")
 
@@ -137,7 +141,7 @@ async def test_slot_sees_assigned_gpu_nodes_driver_files_and_env(make_backend, g
     assert "char:/dev/nvidia0\n" in out and "char:/dev/nvidia1" not in out, out
     assert "char:/dev/nvidiactl" in out and "char:/dev/nvidia-uvm\n" in out, out
     assert "char:/dev/nvidia-uvm-tools" in out and "caps" in out, out
-    assert f"visible={UUIDS[0]} nvidia={UUIDS[0]}" in out, out
+    assert f"visible={UUIDS[0]} nvidia={UUIDS[0]}" in out and f"module={VERSION}" in out, out
     # The driver's files, read-only, and nothing else of the directory.
     assert "stand-in libcuda.so" in out and "libnvidia-ml.so.1" in out, out
     assert "libunrelated" not in out and "ro-lib" in out, out
@@ -151,6 +155,7 @@ async def test_slot_sees_assigned_gpu_nodes_driver_files_and_env(make_backend, g
     c = await backend.acquire("t-c", profile="plain-prof")
     out_c = (await bash(backend, c, SEE + "ls /dev")).output
     assert "char:" not in out_c and "visible= nvidia=" in out_c and "null" in out_c, out_c
+    assert "module=\n" in out_c, out_c
     status = backend.get_status()["pools"]
     [given] = status["gpu-prof"]["gpu"]["sandboxes"].values()
     assert given["devices"] == ["/dev/nvidia0"] and given["sharing"] == "time-slicing"
@@ -163,7 +168,7 @@ async def test_gpu_processes_per_slot_in_status_and_killed_on_release(make_backe
     backend = await make_backend(gpu="any", slots_per_sandbox=2, filesystem="workspace-only")
     slot = await backend.acquire("t-proc")
     out = (await bash(backend, slot, SEE + "(exec -a gpu-job-marker sleep 60) >/dev/null 2>&1 &")).output
-    assert "char:/dev/nvidia0" in out and f"visible={UUIDS[0]}" in out, out
+    assert "char:/dev/nvidia0" in out and f"visible={UUIDS[0]}" in out and f"module={VERSION}" in out, out
 
     def slot_procs(status):
         [pool] = status["pools"].values()

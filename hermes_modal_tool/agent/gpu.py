@@ -378,7 +378,7 @@ class AgentGpu:
         if self.sharing == "mps":
             control = next((_under(found["root"], b) for b in found["bins"]
                             if b.endswith("/nvidia-cuda-mps-control")), None)
-            visible = ",".join(str(m) for m in self.minors)
+            visible = slot_plan(found, self.minors)["env"]["CUDA_VISIBLE_DEVICES"]  # as the slots'
             if control is None:
                 note = "nvidia-cuda-mps-control not found: time-slicing instead"
             else:
