@@ -11,6 +11,7 @@ each refusal sits beside the same operation succeeding on a file inside.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,14 @@ def test_write_creates_appends_truncates_and_refuses_non_files(tree, layout) -> 
         with pytest.raises(FileToolError) as err:
             read(w, path)
         assert str(err.value) == message, (path, str(err.value))
+    if os.geteuid() == 0:  # a device node (root may make one): opened for writing, then refused
+        os.mknod(tree["ws"] / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        with pytest.raises(FileToolError) as err:
+            w.write_bytes("null", b"x")
+        assert str(err.value) == "/data/slot_1/null is not a regular file"
+        with pytest.raises(FileToolError) as err:
+            read(w, "null")
+        assert str(err.value) == "/data/slot_1/null is not a regular file"
     for bad, message in (("a\x00b", "path contains a NUL byte: 'a\\x00b'"), (7, "path must be a string, got int")):
         with pytest.raises(FileToolError) as err:
             read(w, bad)
