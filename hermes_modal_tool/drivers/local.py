@@ -416,7 +416,8 @@ class LocalDriver(Driver):
         if image is not None:
             init.update(self.images.slot_setup(image, config, self.agent_env(config, base=True)))
         # A gpu profile: which of the host's GPUs (GpuUnavailableError before any agent starts).
-        init["gpu"] = await asyncio.to_thread(self.gpus.init_for, config, init.get("image_root"))
+        init["gpu"] = (await asyncio.to_thread(self.gpus.init_for, config, init.get("image_root"))
+                       if config.gpu else None)
         if image is not None:
             held = image.hold(self.images.cache)
         stderr_path = self.state_root / f"{sandbox_id}.stderr"
