@@ -16,7 +16,7 @@ def tmpfs_mb_for(limits):
 
 def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolation="bwrap",
                 shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note="",
-                cpu_controller=None):
+                cpu_controller=None, slot_uids=True):
     """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ..., "cpu": ...}``, each with
     the cap (MiB, a count, cores) and ``enforced``: how, or ``"none"`` with the reason.
 
@@ -33,6 +33,8 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
             (:meth:`.shmwatch.ShmWatch.caps`), or None and ``shm_note`` says why.
         cpu_controller: with cgroups, whether the cpu controller is there (a delegated
             cgroup v2 may lack it); None: it is.
+        slot_uids: each slot runs as a uid of its own (the agent is root), so that
+            ``RLIMIT_NPROC`` can count a slot's processes (without cgroups).
     """
     cgroup = limit_mode.startswith("cgroup")
     v2 = limit_mode == "cgroup-v2"
@@ -84,7 +86,9 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
         disk = {"mib": slot_disk_mb, "enforced": "none",
                 "note": "no layered root: the limit is not applied"}
     pids = {"count": limits.get("pids"),
-            "enforced": "cgroup pids.max" if cgroup else "RLIMIT_NPROC (per uid)"}
+            "enforced": "cgroup pids.max" if cgroup else "RLIMIT_NPROC (per uid)" if slot_uids
+            else "none: no cgroups, and the slots share the agent's uid (RLIMIT_NPROC would "
+                 "count all of its processes)"}
     cpu_on = cpu_controller if cpu_controller is not None else cgroup
     cpu = {"cores": limits.get("cpu"), "enforced": (
         ("cgroup v2 cpu.max per sandbox, cpu.weight per slot (equal shares)" if v2 else

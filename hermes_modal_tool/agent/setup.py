@@ -107,7 +107,7 @@ class Setup:
                                      self.slot_disk_mb, self.isolation, bool(tmpfs_root),
                                      self.contain_root, tmpfs_note,
                                      self.shm_watch.caps() if self.shm_watch else None, shm_note,
-                                     self._cpu_controller())
+                                     self._cpu_controller(), self.uid_base is not None)
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "python": "%d.%d.%d" % sys.version_info[:3],
