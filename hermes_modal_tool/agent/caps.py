@@ -16,7 +16,8 @@ def tmpfs_mb_for(limits):
 
 def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolation="bwrap",
                 shared_tmpfs=False, contained=False, tmpfs_note="", shm=None, shm_note="",
-                cpu_controller=None, disk_plan=(None, None, False, "")):
+                cpu_controller=None, disk_plan=(None, None, False, ""),
+                slot_uids=True):
     """``{"memory": ..., "tmpfs": ..., "disk": ..., "pids": ..., "cpu": ...}``, each with
     the cap (MiB, a count, cores) and ``enforced``: how, or ``"none"`` with the reason.
 
@@ -34,6 +35,8 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
         cpu_controller: with cgroups, whether the cpu controller is there (a delegated
             cgroup v2 may lack it); None: it is.
         disk_plan: :func:`.slotdisk.plan`'s ``(disks, size_mb, default, note)``.
+        slot_uids: each slot runs as a uid of its own (the agent is root), so that
+            ``RLIMIT_NPROC`` can count a slot's processes (without cgroups).
     """
     cgroup = limit_mode.startswith("cgroup")
     v2 = limit_mode == "cgroup-v2"
@@ -76,7 +79,7 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
                 "enforced": "kernel: each writable layer is a file system of its own (ext4 on "
                             "a loop device) of this size and inode count; past it, ENOSPC",
                 "note": disk_note}
-        return _report(limits, limit_mode, cpu_controller, memory, tmpfs, disk)
+        return _report(limits, limit_mode, cpu_controller, slot_uids, memory, tmpfs, disk)
     if not slot_disk_mb:
         disk = {"mib": None, "enforced": "none",
                 "note": "set slot_disk to have what a slot writes watched (no kernel limit "
@@ -94,14 +97,16 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
     else:
         disk = {"mib": slot_disk_mb, "enforced": "none",
                 "note": "no layered root: the limit is not applied"}
-    return _report(limits, limit_mode, cpu_controller, memory, tmpfs, disk)
+    return _report(limits, limit_mode, cpu_controller, slot_uids, memory, tmpfs, disk)
 
 
-def _report(limits, limit_mode, cpu_controller, memory, tmpfs, disk):
+def _report(limits, limit_mode, cpu_controller, slot_uids, memory, tmpfs, disk):
     cgroup = limit_mode.startswith("cgroup")
     v2 = limit_mode == "cgroup-v2"
     pids = {"count": limits.get("pids"),
-            "enforced": "cgroup pids.max" if cgroup else "RLIMIT_NPROC (per uid)"}
+            "enforced": "cgroup pids.max" if cgroup else "RLIMIT_NPROC (per uid)" if slot_uids
+            else "none: no cgroups, and the slots share the agent's uid (RLIMIT_NPROC would "
+                 "count all of its processes)"}
     cpu_on = cpu_controller if cpu_controller is not None else cgroup
     cpu = {"cores": limits.get("cpu"), "enforced": (
         ("cgroup v2 cpu.max per sandbox, cpu.weight per slot (equal shares)" if v2 else

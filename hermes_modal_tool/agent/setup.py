@@ -117,7 +117,8 @@ class Setup:
                                      self.contain_root, tmpfs_note,
                                      self.shm_watch.caps() if self.shm_watch else None, shm_note,
                                      self._cpu_controller(),
-                                     (self.layer_disks, disk_mb, disk_default, disk_note))
+                                     (self.layer_disks, disk_mb, disk_default, disk_note),
+                                     self.uid_base is not None)
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "python": "%d.%d.%d" % sys.version_info[:3],

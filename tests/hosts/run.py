@@ -78,6 +78,12 @@ if [ -z "{quick}" ]; then
   echo "HOSTS-MAIN-RC $? $(( $(date +%s) - start ))s"
   echo "HOSTS-MAIN-TRAJECTORIES $(wc -l < /tmp/results.jsonl)"
   tail -n 4 /tmp/main.log
+  cp /tmp/results.jsonl /hmt-out/results.jsonl 2>/dev/null
+  .venv/bin/python -c 'import json, sys
+bad = [json.loads(line) for line in open("/tmp/results.jsonl") if not json.loads(line).get("ok")]
+for r in bad[:5]:
+    print("HOSTS-MAIN-BAD", r.get("id"), str(r.get("error"))[:300], str(r.get("mismatches"))[:600])'
+
   start=$(date +%s)
   {run} .venv/bin/python -m pytest -q -p no:cacheprovider -o timeout={test_s} {tests} > /tmp/tests.log 2>&1
   echo "HOSTS-TESTS-RC $? $(( $(date +%s) - start ))s"
