@@ -302,9 +302,16 @@ def _warn_unused(config: SandboxConfig, host_root: bool = True) -> None:
         return
     _warned.update(unused)
     what = " and ".join(f"{f} {v!r}" for f, v in unused)
-    log.warning("profile %r: %s %s not used by the local driver; slots run the host's programs "
-                "(its root filesystem, read-only) with no GPU. Use driver='modal' for real "
-                "images and GPUs.", config.name, what, "is" if len(unused) == 1 else "are")
+    how = []
+    if any(f == "image" for f, _ in unused):
+        how.append("each slot is a copy-on-write machine over the host's root filesystem "
+                   "(HERMES_MODAL_TOOL_REGISTRY_IMAGES=host); unset that variable to pull the "
+                   "image (skopeo, podman or docker), or give a local one (dir:, oci:, "
+                   "oci-archive:, docker-archive:)")
+    if any(f == "gpu" for f, _ in unused):
+        how.append("local slots have no GPU; use driver='modal' for one")
+    log.warning("profile %r: %s %s not used by the local driver: %s.", config.name, what,
+                "is" if len(unused) == 1 else "are", "; ".join(how))
 
 
 class LocalDriver(Driver):
