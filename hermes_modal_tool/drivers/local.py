@@ -275,8 +275,11 @@ def _warn_unused(config: SandboxConfig, host_root: bool = True) -> None:
         return
     _warned.update(unused)
     what = " and ".join(f"{f} {v!r}" for f, v in unused)
-    log.warning("profile %r: %s %s not used by the local driver; slots run the host's programs "
-                "(its root filesystem, read-only). Use driver='modal' for real images.", config.name, what, "is" if len(unused) == 1 else "are")
+    log.warning("profile %r: %s %s not used by the local driver: each slot is a copy-on-write "
+                "machine over the host's root filesystem (HERMES_MODAL_TOOL_REGISTRY_IMAGES=host); "
+                "unset that variable to pull the image (skopeo, podman or docker), or give a local "
+                "one (dir:, oci:, oci-archive:, docker-archive:).", config.name, what,
+                "is" if len(unused) == 1 else "are")
 
 
 class LocalDriver(Driver):

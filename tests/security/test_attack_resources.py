@@ -10,7 +10,8 @@ charged to its memory cgroup; the disk-backed ones by ``slot_disk`` when set.
 from __future__ import annotations
 
 import asyncio
-import shutil
+import os
+import uuid
 
 import pytest
 from support import bash, layered, processes, settle
@@ -72,25 +73,37 @@ async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(mode_backend
     backend = await mode_backend(slot_memory=256, slot_disk=128, slots_per_sandbox=2, max_sandboxes=1)
     slot = await backend.acquire("filler")
     other = await backend.acquire("other")
-    host_free = shutil.disk_usage("/tmp").free
     nobwrap = mode_backend.mode == "modal-nobwrap"
+    token = uuid.uuid4().hex[:12]  # names only this run's slot writes (not the machine's free space)
     for path in ("/tmp", "/var/tmp", "/dev/shm") + (() if nobwrap else ("/run",)):
-        r = await bash(backend, slot, f"head -c 1G /dev/zero > {path}/fill; echo rc=$?; "
-                                      f"du -sm {path}/fill | cut -f1; rm -f {path}/fill", timeout=20)
+        name = f"{path}/fill-{token}"
+        r = await bash(backend, slot, f"head -c 1G /dev/zero > {name}; echo rc=$?", timeout=90)
+        assert not r.metadata["timed_out"], (path, r.output)  # 128 MiB on a loaded machine: slow
+        # The disk watch (the documented fallback) may stop the command before the file size
+        # limit does; either way the slot is held to slot_disk.
+        watched = "disk" in r.metadata.get("limits_hit", [])
         if layered(backend) and path != "/dev/shm" and kernel_disk(backend):  # the layer is full
             assert "No space left on device" in r.output and "rc=1" in r.output, (path, r.output)
+        elif watched:
+            assert "slot_disk" in r.error, (path, r.output, r.error)
         elif layered(backend) or nobwrap:  # the file size limit (slot_disk) comes first
             assert "File size limit exceeded" in r.output, (path, r.output, r.error)
         else:
             assert "No space left on device" in r.output and "rc=1" in r.output, (path, r.output)
-        assert int(r.output.split()[-1]) <= 128, r.output
+        # What the slot wrote: something (the positive control), and no more than its cap
+        # (the watch lets a little more through before it stops the command).
+        written = (await bash(backend, slot, f"du -sm {name} | cut -f1")).stdout.strip()
+        assert written.isdigit() and 0 < int(written) <= (130 if watched else 128), (path, written, r.error)
+        if not nobwrap:  # its own /tmp, /var/tmp, /dev/shm, /run: not the host's
+            assert not await asyncio.to_thread(os.path.lexists, name), f"the slot's {name} is on the host"
+        r = await bash(backend, slot, f"rm {name} && ! test -e {name} && echo gone")
+        assert r.output == "gone\n", (path, r.output, r.error)
     if nobwrap:  # 3 x 60 MiB, each file under the limit, together past it
         r = await bash(backend, slot, "for d in /tmp /var/tmp /dev/shm; do head -c 60M /dev/zero > $d/part-$$; "
                                       "done; sleep 3; echo never", timeout=20)
         assert "disk" in r.metadata.get("limits_hit", []) and "slot_disk" in r.error, (r.output, r.error)
         assert "never" not in r.output
         assert (await bash(backend, slot, "rm -f /tmp/part-* /var/tmp/part-* /dev/shm/part-*; echo ok")).output == "ok\n"
-    assert abs(shutil.disk_usage("/tmp").free - host_free) < 512 * 1024 * 1024
     assert (await bash(backend, slot, "echo alive")).output == "alive\n"
     assert (await bash(backend, other, "echo ok")).output == "ok\n"
 
