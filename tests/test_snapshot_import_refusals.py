@@ -180,6 +180,7 @@ def _hostile(m0: str, mark: str) -> dict[str, tuple[Callable[[list], list], str]
         "dot-dot": (lambda ms: ms + [reg(f"{m0}/../../../../../../etc/{mark}")], "bad member name"),
         "dot-dot inside": (lambda ms: ms + [reg(f"{m0}/workspace/../../{mark}")], "bad member name"),
         "not a layer": (lambda ms: ms + [reg(f"etc/{mark}")], "bad member name"),
+        "layer not a number": (lambda ms: ms + [reg(f"Lx/m0/{mark}")], f"bad member name 'Lx/m0/{mark}'"),
         "layer out of range": (lambda ms: ms + [reg(f"L9/m0/workspace/{mark}")], "outside the snapshot's layers"),
         "mount out of range": (lambda ms: ms + [reg(f"L0/m9/workspace/{mark}")], "outside the snapshot's layers"),
         "below its own link": (lambda ms: ms + [entry(f"{m0}/workspace/esc", tarfile.SYMTYPE, linkname="/etc"),
@@ -230,5 +231,5 @@ async def test_a_bad_header_is_refused(importer):
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         info, data = reg("L0/m0/workspace/first")
         tar.addfile(info, io.BytesIO(data))
-    with pytest.raises(SnapshotError, match="not a snapshot stream"):
+    with pytest.raises(SnapshotError, match="not a snapshot stream: it must start with hmt-snapshot.json"):
         await backend.import_snapshot(buf.getvalue())
