@@ -20,6 +20,7 @@ Both file system modes run by default (``--filesystem auto,workspace-only``).
 Usage::
 
     .venv/bin/python benchmarks/neighbours.py [--dirs 25000] [--files 100000] [--json F]
+        [--disk-limit auto|kernel|watch]
 """
 
 from __future__ import annotations
@@ -83,10 +84,11 @@ def vm_hwm_mib(pid: int | None) -> int | None:
         return None
 
 
-async def run_mode(filesystem: str, dirs: int, files: int) -> dict[str, Any]:
+async def run_mode(filesystem: str, dirs: int, files: int, disk_limit: str = "auto") -> dict[str, Any]:
     backend = ToolBackend(SandboxConfig(name="neighbours", slots_per_sandbox=2, min_sandboxes=1,
                                         max_sandboxes=1, filesystem=filesystem,
-                                        execution_timeout_s=300, memory=4096))
+                                        execution_timeout_s=300, memory=4096,
+                                        disk_limit=disk_limit))  # type: ignore[arg-type]
     await backend.start()
     rows: dict[str, Any] = {}
     try:
@@ -142,7 +144,8 @@ async def run_mode(filesystem: str, dirs: int, files: int) -> dict[str, Any]:
             return f"3 s of yes: {len(r.output)} chars back, truncated={r.metadata.get('truncated')}"
 
         rows["flood"] = await measured(backend, neighbour, flood)
-        return {"filesystem": pool.get("filesystem"), "rows": rows, "agent_peak_mib": vm_hwm_mib(agent_pid)}
+        return {"filesystem": pool.get("filesystem"), "rows": rows, "agent_peak_mib": vm_hwm_mib(agent_pid),
+                "disk": pool["caps"]["disk"]["enforced"].split(":")[0]}
     finally:
         await backend.stop()
 
@@ -152,14 +155,17 @@ def main() -> int:
     ap.add_argument("--dirs", type=int, default=25000)
     ap.add_argument("--files", type=int, default=100000)
     ap.add_argument("--filesystem", default="auto,workspace-only")
+    ap.add_argument("--disk-limit", default="auto", choices=("auto", "kernel", "watch"),
+                    help="the profile's disk_limit (how slot_disk holds; default auto)")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     report: dict[str, Any] = {"machine": machine(), "modes": {}}
     bad = 0
     for fs in args.filesystem.split(","):
-        res = asyncio.run(run_mode(fs, args.dirs, args.files))
+        res = asyncio.run(run_mode(fs, args.dirs, args.files, args.disk_limit))
         report["modes"][fs] = res
-        print(f"\nfilesystem={fs} (slots: {res['filesystem']}); agent peak RSS {res['agent_peak_mib']} MiB")
+        print(f"\nfilesystem={fs} (slots: {res['filesystem']}; disk: {res.get('disk', '?')}); "
+              f"agent peak RSS {res['agent_peak_mib']} MiB")
         print(f"  {'operation':<20} {'op s':>8} {'echoes':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  <50ms  note")
         for name, row in res["rows"].items():
             bad += 0 if row["ok"] else 1

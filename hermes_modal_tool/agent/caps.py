@@ -93,7 +93,8 @@ def caps_report(limits, limit_mode, filesystem, tmpfs_mb, slot_disk_mb, isolatio
         disk = {"mib": slot_disk_mb, "enforced": "watched",
                 "note": "its workspace plus what the slot's uid owns in /tmp, /var/tmp and "
                         "/dev/shm, measured every %gs while a command runs and when it ends; "
-                        "the command is stopped past the limit" % DISK_WATCH_S}
+                        "the command is stopped past the limit (no kernel limit here: %s)"
+                        % (DISK_WATCH_S, disk_note)}
     else:
         disk = {"mib": slot_disk_mb, "enforced": "none",
                 "note": "no layered root: the limit is not applied"}

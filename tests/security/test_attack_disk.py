@@ -173,3 +173,19 @@ async def test_without_slot_disk_a_slot_gets_a_fair_share_of_the_free_disk(make_
     assert (await bash(backend, slot, "echo hi > /tmp/x")).success
     st = os.statvfs(await layer_path(backend, slot))
     assert abs(st.f_blocks * st.f_frsize // MIB - disk["mib"]) <= disk["mib"] // 10 + 8, (st, disk)
+
+
+async def test_status_says_which_holds_in_every_mode(mode_backend):
+    """Locally the kernel enforces ``slot_disk``; in the local Modal control plane's
+    containers (no loop devices) and without bwrap the watch remains, and the status
+    says so, with the reason."""
+    backend = await mode_backend(**SMALL, slot_disk=LIMIT_MIB)
+    disk = backend.get_status()["pools"][backend.default_profile]["caps"]["disk"]
+    assert disk["mib"] == LIMIT_MIB, disk
+    if mode_backend.mode == "local":
+        assert disk["enforced"].startswith("kernel"), disk
+    else:
+        assert disk["enforced"] == "watched" and "no kernel limit here" in disk["note"], disk
+    slot = await backend.acquire("t")
+    r = await bash(backend, slot, "head -c 16M /dev/zero > /tmp/below && echo ok")
+    assert r.output == "ok\n", (r.output, r.error)  # below the limit: fine in every mode
