@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 #: Where a volume may not go: the slot's system directories (and what is under them).
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
@@ -49,7 +49,7 @@ class Volume(BaseModel):
 
     source: str = Field(description="The host directory (local driver), absolute.")
     target: str = Field(description="Where each slot sees it, absolute.")
-    read_only: bool = Field(True, description="False: writable and shared by the profile's slots.")
+    read_only: StrictBool = Field(True, description="False: writable and shared by the profile's slots (true or false, not a string).")
 
     @field_validator("target")
     @classmethod

@@ -11,6 +11,6 @@ if [ $# -eq 0 ]; then
   bash scripts/setup.sh agents  # the OpenAI Agents SDK's own environment
   .venv-agents/bin/python -m pytest -q -p no:cacheprovider tests/adapters/test_openai_agents*.py
   # They ran above; without the SDK .venv would only skip them (an error under CI=true).
-  exec .venv/bin/python -m pytest -q --ignore-glob='tests/adapters/test_openai_agents*.py'
+  exec .venv/bin/python -m pytest -q --durations=20 --ignore-glob='tests/adapters/test_openai_agents*.py'
 fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -91,6 +91,8 @@ def test_broken_rollouts_no_longer_pass(tmp_path: Path) -> None:
                  "-o", str(out), "--no-progress")
     assert result.exit_code == 1
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for r in records.values():
+        r["mismatches"] = [m for step in r["steps"] for m in step.get("mismatches", [])]
     assert records["roman-plain"]["ok"] is True  # positive control: the unbroken rollout passes
     assert records["no-fix"]["ok"] is False
     assert any("tests_ran: expected 3, got 0" in m for m in records["no-fix"]["mismatches"]), records["no-fix"]

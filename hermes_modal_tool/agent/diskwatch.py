@@ -11,7 +11,6 @@ against its memory share too, with or without ``slot_disk`` (:mod:`.shmwatch`).
 """
 
 import asyncio
-import os
 import stat
 
 from . import usage
@@ -36,27 +35,8 @@ def usage_fn(slot):
     return lambda: uid_usage_bytes(slot.uid, slot.ws_host, SHARED_PLACES)
 
 
-def layer_bytes(root):
-    """Bytes the slot of ``root`` (a :class:`.rootfs.SlotRoot`) has written in its layer in
-    use: its own file system's usage when it has one (deleted-but-open files count too:
-    ``statvfs``, O(1)), else its blocks, walked (linear in its files) with directory
-    descriptors (``trees.walk_tree``): the slot may change the layer meanwhile, and the
-    walk never follows its links or leaves the layer; a directory moved during the walk
-    ends it early (what was counted is returned)."""
-    layer = root.active
-    if layer is None:
-        return 0
-    if layer.disk is not None:
-        return root.disks.used(layer.disk)[0]
-    total = [0]
-
-    def visit(fd, name, st):
-        total[0] += st.st_blocks * 512
-        return stat.S_ISDIR(st.st_mode)
-
-    for sub in ("upper", "layers"):
-        walk_path(os.path.join(layer.dir, sub), visit)
-    return total[0]
+#: A slot's bytes in its layer in use (see :func:`.usage.layer_bytes`).
+layer_bytes = usage.layer_bytes
 
 
 def uid_usage_bytes(uid, workspace, shared):

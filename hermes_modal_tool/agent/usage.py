@@ -17,6 +17,7 @@ and what :mod:`.diskwatch` saw while commands ran.
 """
 
 import os
+import stat
 
 from .trees import walk_path
 
@@ -144,10 +145,33 @@ def disk_seen(slot, used):
         tu.disk_peak = used
 
 
+def layer_bytes(root):
+    """Bytes the slot of ``root`` (a :class:`.rootfs.SlotRoot`) has written in its layer in
+    use: its own file system's usage when it has one (deleted-but-open files count too:
+    ``statvfs``, O(1)), else its blocks, walked (linear in its files) with directory
+    descriptors (``trees.walk_tree``): the slot may change the layer meanwhile, and the
+    walk never follows its links or leaves the layer; a directory moved during the walk
+    ends it early (what was counted is returned)."""
+    layer = root.active
+    if layer is None:
+        return 0
+    if layer.disk is not None:
+        return root.disks.used(layer.disk)[0]
+    total = [0]
+
+    def visit(fd, name, st):
+        total[0] += st.st_blocks * 512
+        return stat.S_ISDIR(st.st_mode)
+
+    for sub in ("upper", "layers"):
+        walk_path(os.path.join(layer.dir, sub), visit)
+    return total[0]
+
+
 def disk_bytes(slot):
     """Blocking: bytes the slot has written (its layer, or its workspace without one)."""
     if slot.root is not None:
-        return slot.root.usage_bytes()
+        return layer_bytes(slot.root)
     total = [0]
 
     def visit(fd, name, st):

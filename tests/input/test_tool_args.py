@@ -42,7 +42,7 @@ VALID: dict[str, dict[str, Any]] = {
     "archive_artifacts": {"path": "keep"},
 }
 #: Smallest accepted value of each int argument.
-INT_MIN = {"offset": 0}
+INT_MIN = {"offset": 0, "byte_offset": 0}
 
 #: Wrong values per argument kind (a None means "not given" and is left out).
 BAD_BY_KIND: dict[str, list[Any]] = {

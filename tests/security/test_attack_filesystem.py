@@ -130,7 +130,7 @@ async def test_symlinks_pointing_out_via_file_tools(fs_two_slots, hidden_canary)
     r = await bash(backend, b, f"ln -s {home} cdir; ln -s {home}/{name} cfile; "
                                f"ln -s {depth}{str(home).lstrip('/')} rel; mkdir sub; "
                                f"ln -s ../../.. sub/up; ln -s {a.workspace_dir} other; "
-                               f"echo mine > mine; readlink cfile cdir other")
+                               f"echo mine > mine; for l in cfile cdir other; do readlink $l; done")
     assert r.output.split() == [f"{home}/{name}", str(home), a.workspace_dir], r.output
     up = f"sub/up{home}"  # the slot's root, then the hidden directory
     looks = [

@@ -16,7 +16,9 @@ from image_builder import images_for_tests, skip_without
 
 from hermes_modal_tool.testing.images import debian_image
 
+from .helpers import bash
 from .test_attack_filesystem import (  # noqa: F401  (collected here, on the images)
+    hidden_canary,
     host_canary,
     test_fifo_and_special_files_do_not_hang_the_agent,
     test_hard_links_to_foreign_files,
@@ -62,3 +64,13 @@ async def backend(make_backend, image, tmp_path, monkeypatch):
     backend = await make_backend(image=image)
     assert backend.get_status()["drivers"]["local"]["images"]["cached"] == 1
     return backend
+
+
+@pytest.fixture
+async def fs_two_slots(backend):
+    """The file-tool attacks' two slots (``a`` holds a secret, ``b`` attacks), on the image."""
+    a = await backend.acquire("victim")
+    b = await backend.acquire("attacker")
+    r = await bash(backend, a, "echo victim-secret > secret.txt; mkdir d; echo x > d/f")
+    assert r.success, r.error
+    return backend, a, b

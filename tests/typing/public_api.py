@@ -15,6 +15,8 @@ from hermes_modal_tool import (
     ConfigWarning,
     CredentialsError,
     ExecutionResult,
+    GpuMismatchError,
+    GpuUnavailableError,
     HermesModalToolError,
     ImageError,
     IsolationUnavailableError,
@@ -35,6 +37,9 @@ from hermes_modal_tool import (
     SnapshotError,
     ToolBackend,
     ToolResult,
+    Transfer,
+    TransferError,
+    Usage,
     UsageError,
     load_profiles,
 )
@@ -42,7 +47,8 @@ from hermes_modal_tool import (
 ERRORS: tuple[type[HermesModalToolError], ...] = (
     BackendClosedError, CommandTimeoutError, ConfigError, CredentialsError, ImageError,
     IsolationUnavailableError, PoolTimeoutError, SandboxDiedError, SandboxError,
-    SandboxStartError, SecretNotFoundError, SetupError, SnapshotError, UsageError)
+    SandboxStartError, SecretNotFoundError, SetupError, SnapshotError, UsageError,
+    GpuUnavailableError, GpuMismatchError, TransferError)
 
 
 def configs() -> list[SandboxConfig]:
@@ -77,11 +83,15 @@ async def rollout(backend: ToolBackend) -> int | None:
     out: bytes = await proc.read_until(b">>>")
     exit_code: int | None = await proc.wait(5.0)
     status: dict[str, object] = backend.get_status()
+    sent: Transfer = await backend.upload(slot, b"data", "in.bin")
+    got: Transfer = await backend.download(slot, "in.bin", "out.bin")
+    used: Usage = await backend.usage(slot)
+    cpu: float | None = used.cpu_user_s
     for fork in forks:
         await backend.release(fork)
-    await backend.release(slot, reset_workspace=True)
+    ledger: Usage | None = await backend.release(slot, reset_workspace=True)
     await backend.stop()
-    del state, ids, tool, out, status, exit_code
+    del state, ids, tool, out, status, exit_code, sent, got, cpu, ledger
     return code
 
 
