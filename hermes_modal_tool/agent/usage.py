@@ -58,14 +58,8 @@ def cpu_ns(agent, slot):
     if not cg or cg.mode == "rlimit":
         return None
     if cg.mode == "cgroup-v2":
-        text = _read(cg.slot_file(slot.index, "cpu", "cpu.stat"))
-        if text is None:
-            return None
-        vals = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
-        try:
-            return int(vals["user_usec"]) * 1000, int(vals["system_usec"]) * 1000
-        except (KeyError, ValueError):
-            return None
+        return _stat_pair(_read(cg.slot_file(slot.index, "cpu", "cpu.stat")),
+                          "user_usec", "system_usec", 1000)
     user = _read(cg.slot_file(slot.index, "cpuacct", "cpuacct.usage_user"))
     system = _read(cg.slot_file(slot.index, "cpuacct", "cpuacct.usage_sys"))
     if user is not None and system is not None:
@@ -73,13 +67,18 @@ def cpu_ns(agent, slot):
             return int(user), int(system)
         except ValueError:
             pass
-    text = _read(cg.slot_file(slot.index, "cpuacct", "cpuacct.stat"))
+    return _stat_pair(_read(cg.slot_file(slot.index, "cpuacct", "cpuacct.stat")),
+                      "user", "system", 1e9 / os.sysconf("SC_CLK_TCK"))
+
+
+def _stat_pair(text, user, system, scale):
+    """``(user, system)`` from a cgroup stat file's ``key value`` lines, each times
+    ``scale`` (to nanoseconds); None when the file or a key is missing."""
     if text is None:
         return None
-    tick_ns = 1e9 / os.sysconf("SC_CLK_TCK")
     vals = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
     try:
-        return int(int(vals["user"]) * tick_ns), int(int(vals["system"]) * tick_ns)
+        return int(int(vals[user]) * scale), int(int(vals[system]) * scale)
     except (KeyError, ValueError):
         return None
 
