@@ -103,16 +103,9 @@ class DiskWatch:
 
         def finish(result):
             if not was_full and full():
-                if not result.get("error"):
-                    result["error"] = (
-                        "the slot's disk is full (slot_disk = %d MiB, %d inodes, enforced by "
-                        "the kernel): writes in the slot fail with ENOSPC. Remove files to go "
-                        "on." % (disks.size_mb, disks.inodes))
-                    if result.get("returncode") == 0:
-                        result["returncode"] = 1
-                data = result.get("data")
-                if isinstance(data, dict):
-                    data.setdefault("limits_hit", []).append("disk")
+                _disk_hit(result, "the slot's disk is full (slot_disk = %d MiB, %d inodes, "
+                                  "enforced by the kernel): writes in the slot fail with ENOSPC. "
+                                  "Remove files to go on." % (disks.size_mb, disks.inodes))
             done(result)
         return finish
 
@@ -127,14 +120,8 @@ class DiskWatch:
                     used = 0
                 usage.disk_seen(slot, used)
                 if self._disk_over(used):
-                    if not result.get("error"):
-                        result["error"] = self._disk_message(used).replace(
-                            "the command was stopped", "the command ended")
-                        if result.get("returncode") == 0:
-                            result["returncode"] = 1
-                    data = result.get("data")
-                    if isinstance(data, dict):
-                        data.setdefault("limits_hit", []).append("disk")
+                    _disk_hit(result, self._disk_message(used).replace(
+                        "the command was stopped", "the command ended"))
                 done(result)
 
             if self.closing:
@@ -143,3 +130,15 @@ class DiskWatch:
             fut = self.loop.run_in_executor(self.executor("disk"), usage_fn(slot))
             fut.add_done_callback(measured)
         return finish
+
+
+def _disk_hit(result, message):
+    """Mark a bash result whose command went past ``slot_disk``: ``message`` as its error
+    (unless it has one), exit code 1 in place of 0, and ``"disk"`` in ``limits_hit``."""
+    if not result.get("error"):
+        result["error"] = message
+        if result.get("returncode") == 0:
+            result["returncode"] = 1
+    data = result.get("data")
+    if isinstance(data, dict):
+        data.setdefault("limits_hit", []).append("disk")
