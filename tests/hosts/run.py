@@ -18,7 +18,8 @@ this host's own ``/``: :mod:`tests.hosts.vm`):
 
 In each: :mod:`tests.hosts.probe` (limit mode, caps, a slot past its ``slot_memory``
 next to a running neighbour, a slot's memory total, the CPU cap), the main job
-(``hermes-modal-tool batch examples/coding_rollouts.jsonl``), and :data:`TESTS` (the
+(``hermes-modal-tool batch --strict examples/coding_rollouts.jsonl``, as
+``scripts/main.sh`` runs it), and :data:`TESTS` (the
 isolation and limit tests). ``--quick``: the probe only (in the cells listed, or all).
 Prints one table row per cell;
 exits 1 when a cell fails.
@@ -69,23 +70,23 @@ echo "HOSTS-KERNEL $(uname -r) $(stat -fc %T /sys/fs/cgroup)"
 start=$(date +%s)
 find /etc /var /opt /srv /boot /usr/local -xdev > /dev/null 2>&1
 echo "HOSTS-WARM $(( $(date +%s) - start ))s"
-{run} .venv/bin/python -m tests.hosts.probe 2>/tmp/probe.err
+{run} {py} -m tests.hosts.probe 2>/tmp/probe.err
 echo "HOSTS-PROBE-RC $?"
 tail -n 5 /tmp/probe.err
 if [ -z "{quick}" ]; then
   start=$(date +%s)
-  {run} .venv/bin/hermes-modal-tool batch {main} -o /tmp/results.jsonl > /tmp/main.log 2>&1
+  {run} {py} -m hermes_modal_tool batch --strict {main} -o /tmp/results.jsonl > /tmp/main.log 2>&1
   echo "HOSTS-MAIN-RC $? $(( $(date +%s) - start ))s"
   echo "HOSTS-MAIN-TRAJECTORIES $(wc -l < /tmp/results.jsonl)"
   tail -n 4 /tmp/main.log
   cp /tmp/results.jsonl /hmt-out/results.jsonl 2>/dev/null
-  .venv/bin/python -c 'import json, sys
+  {py} -c 'import json, sys
 bad = [json.loads(line) for line in open("/tmp/results.jsonl") if not json.loads(line).get("ok")]
 for r in bad[:5]:
     print("HOSTS-MAIN-BAD", r.get("id"), str(r.get("error"))[:300], str(r.get("mismatches"))[:600])'
 
   start=$(date +%s)
-  {run} .venv/bin/python -m pytest -q -p no:cacheprovider -o timeout={test_s} {tests} > /tmp/tests.log 2>&1
+  {run} {py} -m pytest -q -p no:cacheprovider -o timeout={test_s} {tests} > /tmp/tests.log 2>&1
   echo "HOSTS-TESTS-RC $? $(( $(date +%s) - start ))s"
   tail -n 25 /tmp/tests.log
 fi
@@ -102,6 +103,11 @@ SYSTEMD_PREPARE = r"""
 systemctl start user@{uid}.service
 systemctl --no-pager status user@{uid}.service | head -n 5
 """
+
+
+#: The Python that runs each cell's probe, main job and tests: the project's ``.venv``
+#: where there is one (the README's set-up), else this interpreter (an installed wheel).
+PY = ".venv/bin/python" if (REPO / ".venv/bin/python").exists() else sys.executable
 
 
 def cell_script(cell: str, quick: bool) -> str:
@@ -123,7 +129,7 @@ def cell_script(cell: str, quick: bool) -> str:
                f"-E HERMES_MODAL_TOOL_START_TIMEOUT_S={start_s} -E HMT_TEST_TIME_SCALE={scale} --")
         prepare = USER_PREPARE.format(uid=USER) + SYSTEMD_PREPARE.format(uid=USER)
     return CELL.format(repo=REPO, prepare=prepare, run=run, quick="1" if quick else "",
-                       main=MAIN, tests=TESTS, scale=scale, start_s=start_s, test_s=300 * scale)
+                       main=MAIN, tests=TESTS, py=PY, scale=scale, start_s=start_s, test_s=300 * scale)
 
 
 def run_cell(cell: str, quick: bool, timeout_s: float) -> dict:
