@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_modal_tool.agent.files import FileToolError, Workspace
+from hermes_modal_tool.agent.files.files import FileToolError, Workspace
 
 TOKEN = "outside-canary"
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hermes_modal_tool.agent import quiet
+from hermes_modal_tool.agent.limits import quiet
 
 
 class Machine:

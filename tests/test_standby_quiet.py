@@ -15,7 +15,7 @@ import time
 import pytest
 from support import bash, layered
 
-from hermes_modal_tool.agent import quiet
+from hermes_modal_tool.agent.limits import quiet
 
 pytestmark = pytest.mark.usefixtures("needs_root")
 

@@ -7,6 +7,19 @@ installs them under their package names and starts the agent, so no image needs
 our code installed: any image with ``python3`` >= 3.8 works. The bootstrap blocks
 ``ssl`` (``asyncio`` imports it when present): the agent speaks no TLS, and loading
 OpenSSL is a few milliseconds of every start.
+
+The agent's rooms, top to bottom; a module imports only from its own room and the
+rooms below it (``tests/test_import_graph.py`` checks it)::
+
+    main, calls, setup, slot, heartbeat   the agent process, the call router, init, a slot
+       state/    snapshots, forks, snapshots as tar streams
+       shells/   spawner, shell start, the shell protocol, output, PTY processes
+       limits/   isolation, cgroups, admission, watches, IPC cleanup, usage, caps, GPUs
+       files/    the file tools, confined to a slot's workspace
+       fs/       mounts, trees, the layered root, the disk limit, tmpfs, wipes, volumes
+    hermes_modal_tool.protocol, hermes_modal_tool.deadlines   (shared with the host)
+
+Everything here is stdlib-only and runs on Python 3.8.
 """
 
 from __future__ import annotations
@@ -22,48 +35,53 @@ _MODULES = (
     ("hermes_modal_tool.protocol", "protocol.py"),
     ("hermes_modal_tool.deadlines", "deadlines.py"),
     ("hermes_modal_tool.agent", None),
-    ("hermes_modal_tool.agent.scopes", "agent/scopes.py"),
-    ("hermes_modal_tool.agent.sysvipc", "agent/sysvipc.py"),
-    ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
-    ("hermes_modal_tool.agent.volumes", "agent/volumes.py"),
-    ("hermes_modal_tool.agent.mounts", "agent/mounts.py"),
-    ("hermes_modal_tool.agent.cgroupv2", "agent/cgroupv2.py"),
-    ("hermes_modal_tool.agent.cgroups", "agent/cgroups.py"),
-    ("hermes_modal_tool.agent.procs", "agent/procs.py"),
-    ("hermes_modal_tool.agent.owned", "agent/owned.py"),
-    ("hermes_modal_tool.agent.rootplan", "agent/rootplan.py"),
-    ("hermes_modal_tool.agent.trees", "agent/trees.py"),
-    ("hermes_modal_tool.agent.beneath", "agent/beneath.py"),
-    ("hermes_modal_tool.agent.usage", "agent/usage.py"),
-    ("hermes_modal_tool.agent.layerspares", "agent/layerspares.py"),
-    ("hermes_modal_tool.agent.slotdisk", "agent/slotdisk.py"),
-    ("hermes_modal_tool.agent.rootfs", "agent/rootfs.py"),
-    ("hermes_modal_tool.agent.rootprobe", "agent/rootprobe.py"),
-    ("hermes_modal_tool.agent.slottmpfs", "agent/slottmpfs.py"),
-    ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),
-    ("hermes_modal_tool.agent.shmwatch", "agent/shmwatch.py"),
-    ("hermes_modal_tool.agent.files", "agent/files.py"),
-    ("hermes_modal_tool.agent.wipes", "agent/wipes.py"),
-    ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),
-    ("hermes_modal_tool.agent.filesums", "agent/filesums.py"),
-    ("hermes_modal_tool.agent.admission", "agent/admission.py"),
-    ("hermes_modal_tool.agent.output", "agent/output.py"),
-    ("hermes_modal_tool.agent.shellprocs", "agent/shellprocs.py"),
-    ("hermes_modal_tool.agent.snapshots", "agent/snapshots.py"),
-    ("hermes_modal_tool.agent.transfer", "agent/transfer.py"),
-    ("hermes_modal_tool.agent.spawner", "agent/spawner.py"),
-    ("hermes_modal_tool.agent.threadstart", "agent/threadstart.py"),
-    ("hermes_modal_tool.agent.shellstart", "agent/shellstart.py"),
-    ("hermes_modal_tool.agent.shell", "agent/shell.py"),
+    ("hermes_modal_tool.agent.limits", None),
+    ("hermes_modal_tool.agent.limits.scopes", "agent/limits/scopes.py"),
+    ("hermes_modal_tool.agent.limits.sysvipc", "agent/limits/sysvipc.py"),
+    ("hermes_modal_tool.agent.limits.isolation", "agent/limits/isolation.py"),
+    ("hermes_modal_tool.agent.fs", None),
+    ("hermes_modal_tool.agent.fs.volumes", "agent/fs/volumes.py"),
+    ("hermes_modal_tool.agent.fs.mounts", "agent/fs/mounts.py"),
+    ("hermes_modal_tool.agent.limits.cgroupv2", "agent/limits/cgroupv2.py"),
+    ("hermes_modal_tool.agent.limits.cgroups", "agent/limits/cgroups.py"),
+    ("hermes_modal_tool.agent.shells", None),
+    ("hermes_modal_tool.agent.shells.procs", "agent/shells/procs.py"),
+    ("hermes_modal_tool.agent.shells.owned", "agent/shells/owned.py"),
+    ("hermes_modal_tool.agent.fs.rootplan", "agent/fs/rootplan.py"),
+    ("hermes_modal_tool.agent.fs.trees", "agent/fs/trees.py"),
+    ("hermes_modal_tool.agent.fs.beneath", "agent/fs/beneath.py"),
+    ("hermes_modal_tool.agent.limits.usage", "agent/limits/usage.py"),
+    ("hermes_modal_tool.agent.fs.layerspares", "agent/fs/layerspares.py"),
+    ("hermes_modal_tool.agent.fs.slotdisk", "agent/fs/slotdisk.py"),
+    ("hermes_modal_tool.agent.fs.rootfs", "agent/fs/rootfs.py"),
+    ("hermes_modal_tool.agent.fs.rootprobe", "agent/fs/rootprobe.py"),
+    ("hermes_modal_tool.agent.fs.slottmpfs", "agent/fs/slottmpfs.py"),
+    ("hermes_modal_tool.agent.limits.diskwatch", "agent/limits/diskwatch.py"),
+    ("hermes_modal_tool.agent.limits.shmwatch", "agent/limits/shmwatch.py"),
+    ("hermes_modal_tool.agent.files", None),
+    ("hermes_modal_tool.agent.files.files", "agent/files/files.py"),
+    ("hermes_modal_tool.agent.fs.wipes", "agent/fs/wipes.py"),
+    ("hermes_modal_tool.agent.files.filetools", "agent/files/filetools.py"),
+    ("hermes_modal_tool.agent.files.filesums", "agent/files/filesums.py"),
+    ("hermes_modal_tool.agent.limits.admission", "agent/limits/admission.py"),
+    ("hermes_modal_tool.agent.shells.output", "agent/shells/output.py"),
+    ("hermes_modal_tool.agent.shells.shellprocs", "agent/shells/shellprocs.py"),
+    ("hermes_modal_tool.agent.state", None),
+    ("hermes_modal_tool.agent.state.snapshots", "agent/state/snapshots.py"),
+    ("hermes_modal_tool.agent.state.transfer", "agent/state/transfer.py"),
+    ("hermes_modal_tool.agent.shells.spawner", "agent/shells/spawner.py"),
+    ("hermes_modal_tool.agent.shells.threadstart", "agent/shells/threadstart.py"),
+    ("hermes_modal_tool.agent.shells.shellstart", "agent/shells/shellstart.py"),
+    ("hermes_modal_tool.agent.shells.shell", "agent/shells/shell.py"),
     ("hermes_modal_tool.agent.slot", "agent/slot.py"),
-    ("hermes_modal_tool.agent.caps", "agent/caps.py"),
-    ("hermes_modal_tool.agent.gpu", "agent/gpu.py"),
+    ("hermes_modal_tool.agent.limits.caps", "agent/limits/caps.py"),
+    ("hermes_modal_tool.agent.limits.gpu", "agent/limits/gpu.py"),
     ("hermes_modal_tool.agent.heartbeat", "agent/heartbeat.py"),
-    ("hermes_modal_tool.agent.quiet", "agent/quiet.py"),
+    ("hermes_modal_tool.agent.limits.quiet", "agent/limits/quiet.py"),
     ("hermes_modal_tool.agent.setup", "agent/setup.py"),
-    ("hermes_modal_tool.agent.streaming", "agent/streaming.py"),
-    ("hermes_modal_tool.agent.ptyhelper", "agent/ptyhelper.py"),
-    ("hermes_modal_tool.agent.ptyprocs", "agent/ptyprocs.py"),
+    ("hermes_modal_tool.agent.shells.streaming", "agent/shells/streaming.py"),
+    ("hermes_modal_tool.agent.shells.ptyhelper", "agent/shells/ptyhelper.py"),
+    ("hermes_modal_tool.agent.shells.ptyprocs", "agent/shells/ptyprocs.py"),
     ("hermes_modal_tool.agent.calls", "agent/calls.py"),
     ("hermes_modal_tool.agent.main", "agent/main.py"),
 )

@@ -16,8 +16,10 @@ import signal
 import time
 
 from .. import protocol
-from . import diskwatch, files, filetools, isolation, owned, ptyprocs
-from .streaming import OutputStream
+from .files import files, filetools
+from .limits import diskwatch, isolation
+from .shells import owned, ptyprocs
+from .shells.streaming import OutputStream
 
 #: Seconds a call may wait to start (behind its slot's running call, for admission or
 #: for its shell) before the host is told it is queued and stops its deadline until the
@@ -394,5 +396,5 @@ def _cap(text, limit):
     if len(text) <= limit:
         return text, False
     keep = limit // 2
-    from .output import marker
+    from .shells.output import marker
     return text[:keep] + marker(len(text) - 2 * keep) + text[len(text) - keep:], True

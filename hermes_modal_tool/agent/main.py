@@ -19,14 +19,17 @@ import sys
 
 from .. import protocol
 from ..deadlines import Deadlines
-from . import admission, mounts, ptyprocs, quiet, rootfs, snapshots, spawner, streaming, trees
 from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
-from .diskwatch import DiskWatch
-from .filesums import dispatch as dispatch_checksum
+from .files.filesums import dispatch as dispatch_checksum
+from .fs import mounts, rootfs, trees
+from .limits import admission, quiet
+from .limits.diskwatch import DiskWatch
+from .limits.usage import dispatch as dispatch_usage
+from .limits.usage import new_tenant
 from .setup import Setup
-from .shell import SPAWN_THREADS
-from .usage import dispatch as dispatch_usage
-from .usage import new_tenant
+from .shells import ptyprocs, spawner, streaming
+from .shells.shell import SPAWN_THREADS
+from .state import snapshots
 
 #: Idle slots whose shells are started before their first call, in the order the host
 #: hands fresh slots out (lowest index first), so that a first command finds a ready

@@ -9,8 +9,11 @@ import os
 import resource
 import threading
 
-from . import diskwatch, files, isolation, mounts, rootfs, snapshots, volumes, wipes
-from .shell import Shell
+from .files import files
+from .fs import mounts, rootfs, volumes, wipes
+from .limits import diskwatch, isolation
+from .shells.shell import Shell
+from .state import snapshots
 
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")

@@ -203,7 +203,7 @@ async def test_deep_and_wide_trees_are_removed_by_the_host_and_the_agent(tmp_pat
     import asyncio
     import tempfile
 
-    from hermes_modal_tool.agent.trees import remove_tree
+    from hermes_modal_tool.agent.fs.trees import remove_tree
 
     base = Path(tempfile.mkdtemp(prefix="hmt-trees-", dir="/dev/shm")) if os.access(
         "/dev/shm", os.W_OK) else tmp_path
@@ -218,7 +218,7 @@ async def removed_without_recursion(base: Path) -> None:
     import asyncio
     import resource
 
-    from hermes_modal_tool.agent.trees import remove_tree
+    from hermes_modal_tool.agent.fs.trees import remove_tree
     from hermes_modal_tool.drivers.local import LocalDriver
 
     deep, wide = base / "deep", base / "wide"

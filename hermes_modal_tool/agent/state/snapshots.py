@@ -33,7 +33,8 @@ state looks like its own files, owned by its root.
 
 import re
 
-from . import diskwatch, slotdisk
+from ..fs import slotdisk
+from ..limits import diskwatch
 
 #: Messages handled here.
 OPS = ("snapshot", "fork", "release_snapshot", "snapshots", "export_snapshot", "import_snapshot")

@@ -16,9 +16,9 @@ import errno
 import os
 import signal
 
+from ..fs.mounts import write_control
 from . import cgroupv2
 from .isolation import _kill
-from .mounts import write_control
 
 
 class Cgroups:

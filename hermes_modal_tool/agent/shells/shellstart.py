@@ -26,8 +26,10 @@ import os
 import subprocess
 import threading
 
-from .. import protocol
-from . import isolation, mounts, rootplan, threadstart, volumes
+from ... import protocol
+from ..fs import mounts, rootplan, volumes
+from ..limits import isolation
+from . import threadstart
 from .output import OutputCollector
 from .shellprocs import FRAME, new_nonce, start_timeout
 from .spawner import FIRST_PASS_FD
