@@ -29,7 +29,7 @@ from .limits.usage import new_tenant
 from .setup import Setup
 from .shells import ptyprocs, spawner, streaming
 from .shells.shell import SPAWN_THREADS
-from .state import snapshots
+from .state import ops as state_ops
 
 #: Idle slots whose shells are started before their first call, in the order the host
 #: hands fresh slots out (lowest index first), so that a first command finds a ready
@@ -143,8 +143,8 @@ class Agent(Setup, Calls, DiskWatch):
             dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/usage.py)
         elif op == "ack":
             streaming.on_ack(self, msg)  # the host got streamed output (agent/streaming.py)
-        elif op in snapshots.OPS:
-            snapshots.dispatch(self, msg)
+        elif op in state_ops.OPS:
+            state_ops.dispatch(self, msg)  # snapshots, forks, transfers (agent/state/ops.py)
         else:
             self.send({"id": mid, "ok": False, "error": "unknown op %r; known: %s"
                        % (op, ", ".join(protocol.OPS))})
