@@ -1,7 +1,7 @@
 """The pool's part of the usage ledger (mixed into :class:`~hermes_modal_tool.pool.SandboxPool`).
 
 Per lease: the wall time held and the tool calls (counted on the :class:`Slot`), and the
-agent's measurement of CPU, memory and disk (``usage`` op, ``agent/usage.py``). Per
+agent's measurement of CPU, memory and disk (``usage`` op, ``agent/limits/usage.py``). Per
 pool: slot-seconds of live sandboxes against slot-seconds held, so that
 ``get_status()`` shows the warm time no trajectory used.
 """

@@ -1,6 +1,6 @@
 """Processes of a slot beside its shell: interactive programs on a PTY, or long jobs on
 pipes, that a program writes to and reads from while they run (as E2B's and Modal's
-``exec`` handles). The agent's side: ``hermes_modal_tool/agent/ptyprocs.py``.
+``exec`` handles). The agent's side: ``hermes_modal_tool/agent/shells/ptyprocs.py``.
 
 Example:
     >>> async def repl(backend, slot):

@@ -1,6 +1,6 @@
 """Snapshots as tar streams between sandboxes, machines and drivers (the host's side).
 
-The agent writes and reads the stream (see ``hermes_modal_tool/agent/transfer.py`` for
+The agent writes and reads the stream (see ``hermes_modal_tool/agent/state/transfer.py`` for
 the format); the host moves it in chunks, one request each, so neither side holds a
 whole snapshot in memory. :func:`copy_between` moves a snapshot from one sandbox to
 another chunk by chunk (export and import overlap).

@@ -1,4 +1,4 @@
-"""The agent's path resolution (agent/files.py ``Workspace``) on a real directory tree, in
+"""The agent's path resolution (agent/files/files.py ``Workspace``) on a real directory tree, in
 process (milliseconds a test: the mutation script runs these against every mutant).
 
 Both layouts: workspace-only (``Workspace(ws, "/data/slot_1")``: absolute paths must be

@@ -38,7 +38,7 @@ class SlotRuntime:
         self.dirty = False  # a call ran since the last reset
         self.rlimits = []  # the slot's own (on top of the sandbox's)
         self.start_dir = self.ws_path
-        self.replay = self.replay_text = None  # shell state from a snapshot (agent/snapshots.py)
+        self.replay = self.replay_text = None  # shell state from a snapshot (agent/state/snapshots.py)
         if agent.filesystem == "overlay":
             self.root = rootfs.SlotRoot(
                 os.path.join(agent.state_dir, "fs", "slot_%d" % index),

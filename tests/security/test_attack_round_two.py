@@ -122,7 +122,7 @@ async def test_names_that_are_not_utf8_come_back_printable(mode_backend):
 def agent_pids() -> list[int]:
     """This test's agents: agent processes among this process's descendants (on Modal
     the local control plane's container, a bwrap, is the agent's parent), not bwrap and
-    not an agent's spawner (a fork of the agent: agent/spawner.py)."""
+    not an agent's spawner (a fork of the agent: agent/shells/spawner.py)."""
     procs = processes()
     children: dict[int, list[int]] = {}
     for p in procs.values():
