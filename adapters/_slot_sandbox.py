@@ -15,7 +15,7 @@ from hermes_modal_tool.errors import PoolTimeoutError, SandboxError, UsageError
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import ExecutionResult, Slot
 
-from .langchain import NO_TIMEOUT_S, _acall, _call, _new_key, _thread_key
+from .backend_calls import NO_TIMEOUT_S, acall, call, new_key, thread_key
 
 # -- Deep Agents backend -------------------------------------------------------------
 
@@ -115,7 +115,7 @@ def slot_sandbox_class() -> type[Any]:
             if max_output_bytes < 1:
                 raise UsageError(f"max_output_bytes must be positive, got {max_output_bytes!r}")
             self.max_output_bytes = max_output_bytes
-            self.default_key = _new_key()
+            self.default_key = new_key()
 
         def key(self) -> str:
             """The slot key of the current call."""
@@ -123,16 +123,16 @@ def slot_sandbox_class() -> type[Any]:
                 return self.trajectory_id
             try:
                 from langgraph.config import get_config
-                return _thread_key(get_config()) or self.default_key
+                return thread_key(get_config()) or self.default_key
             except (ImportError, RuntimeError):  # outside a LangGraph run
                 return self.default_key
 
         async def aslot(self) -> Slot:
             """The current key's slot (acquired now if needed)."""
-            return await _acall(self.backend, self.sessions.slot(self.key(), self.profile))
+            return await acall(self.backend, self.sessions.slot(self.key(), self.profile))
 
         def slot(self) -> Slot:
-            return _call(self.backend, self.sessions.slot(self.key(), self.profile))
+            return call(self.backend, self.sessions.slot(self.key(), self.profile))
 
         @property
         def id(self) -> str:
@@ -141,18 +141,18 @@ def slot_sandbox_class() -> type[Any]:
 
         async def aclose(self) -> int:
             """Release every slot this backend's sessions hold; return how many."""
-            return await _acall(self.backend, self.sessions.close_all())
+            return await acall(self.backend, self.sessions.close_all())
 
         def close(self) -> int:
-            return _call(self.backend, self.sessions.close_all())
+            return call(self.backend, self.sessions.close_all())
 
         # -- execute --------------------------------------------------------------
         def execute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
             """Run ``command`` in the slot's shell; timeout in seconds (0: no limit)."""
-            return _call(self.backend, self._execute(self.key(), command, timeout))
+            return call(self.backend, self._execute(self.key(), command, timeout))
 
         async def aexecute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:  # noqa: ASYNC109
-            return await _acall(self.backend, self._execute(self.key(), command, timeout))
+            return await acall(self.backend, self._execute(self.key(), command, timeout))
 
         async def _execute(self, key: str, command: str, timeout: float | None) -> ExecuteResponse:
             args: dict[str, Any] = {"command": command}
@@ -175,17 +175,17 @@ def slot_sandbox_class() -> type[Any]:
         # -- files -------------------------------------------------------------------
         def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
             """Write each ``(absolute path, bytes)``, creating parent directories."""
-            return _call(self.backend, self._upload(self.key(), files))
+            return call(self.backend, self._upload(self.key(), files))
 
         async def aupload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
-            return await _acall(self.backend, self._upload(self.key(), files))
+            return await acall(self.backend, self._upload(self.key(), files))
 
         def download_files(self, paths: list[str]) -> list[FileDownloadResponse]:
             """Read each absolute path; errors per file (``file_not_found``, ...)."""
-            return _call(self.backend, self._download(self.key(), paths))
+            return call(self.backend, self._download(self.key(), paths))
 
         async def adownload_files(self, paths: list[str]) -> list[FileDownloadResponse]:
-            return await _acall(self.backend, self._download(self.key(), paths))
+            return await acall(self.backend, self._download(self.key(), paths))
 
         async def _upload(self, key: str, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
             errors: dict[int, str] = {i: "invalid_path" for i, (path, _) in enumerate(files)

@@ -46,9 +46,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Coroutine
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForToolRun, adispatch_custom_event
 from langchain_core.runnables import RunnableConfig
@@ -56,78 +54,25 @@ from langchain_core.tools import BaseTool, BaseToolkit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hermes_modal_tool.backend import ToolBackend
-from hermes_modal_tool.errors import PoolTimeoutError, SandboxError, UsageError
-from hermes_modal_tool.portal import portal, run_sync
+from hermes_modal_tool.errors import PoolTimeoutError, SandboxError
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import ExecutionResult, Slot
 from hermes_modal_tool.tools import TOOL_SPECS, read_file_text
+
+from .backend_calls import NO_TIMEOUT_S as NO_TIMEOUT_S
+from .backend_calls import acall as _acall
+from .backend_calls import call as _call
+from .backend_calls import new_key as _new_key
+from .backend_calls import thread_key as _thread_key
 
 __all__ = ["OUTPUT_EVENT", "BashTool", "ReadFileTool", "SandboxToolkit", "SlotSandbox", "WriteFileTool"]
 
 #: Name of the custom events that carry a running ``bash`` call's output.
 OUTPUT_EVENT = "hermes_modal_tool.output"
 
-T = TypeVar("T")
 
 #: Built on first access (see ``__getattr__`` at the end): importing Deep Agents takes seconds.
 SlotSandbox: type[Any]
-
-#: ``execute(timeout=0)`` means "no timeout" in Deep Agents; the longest we allow.
-NO_TIMEOUT_S = 86400.0
-
-
-# -- calling the engine from any thread or loop ---------------------------------------
-
-def _home_loop(backend: ToolBackend) -> asyncio.AbstractEventLoop | None:
-    """The event loop ``backend`` runs on, or None before its first pool starts."""
-    loop = getattr(backend, "loop", None)
-    if isinstance(loop, asyncio.AbstractEventLoop):
-        return loop
-    # ToolBackend does not expose its loop yet; its pools' reaper tasks know it.
-    for pool in getattr(backend, "_pools", {}).values():
-        task = getattr(pool, "_reaper", None)
-        if task is not None:
-            return task.get_loop()
-    return None
-
-
-async def _acall(backend: ToolBackend, coro: Coroutine[Any, Any, T]) -> T:
-    """Await ``coro`` on the backend's loop (directly when that is the running loop)."""
-    home = _home_loop(backend)
-    if home is None or home is asyncio.get_running_loop():
-        return await coro
-    if home.is_closed() or not home.is_running():
-        coro.close()
-        raise UsageError("the backend's event loop is not running; start the backend with "
-                         "hermes_modal_tool.portal.run_sync(backend.start()) to share it across loops")
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, home))
-
-
-def _call(backend: ToolBackend, coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on the backend's loop from sync code and wait for its result."""
-    home = _home_loop(backend)
-    if home is None or home is portal().loop:
-        return run_sync(coro)
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is home or home.is_closed() or not home.is_running():
-        coro.close()
-        raise UsageError("sync call into a backend whose event loop is busy with this call or not "
-                         "running; use the async API (ainvoke, aexecute), or start the backend "
-                         "with hermes_modal_tool.portal.run_sync(backend.start())")
-    return asyncio.run_coroutine_threadsafe(coro, home).result()
-
-
-def _thread_key(config: RunnableConfig | None) -> str | None:
-    thread = ((config or {}).get("configurable") or {}).get("thread_id")
-    return None if thread is None else str(thread)
-
-
-def _new_key() -> str:
-    return f"langchain-{uuid.uuid4().hex[:12]}"
-
 
 async def _run_tool(sessions: SlotSessions, key: str, tool: str, args: dict[str, Any],
                     profile: str | None, timeout_s: float | None, on_output: Any = None) -> ExecutionResult:

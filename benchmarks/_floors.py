@@ -38,7 +38,7 @@ def _bash(cgroup: list[str] | None = None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, bufsize=0, preexec_fn=join if cgroup else None)
 
 
-#: Controllers of a slot's cgroup (as ``hermes_modal_tool/agent/cgroups.py`` makes them).
+#: Controllers of a slot's cgroup (as ``hermes_modal_tool/agent/limits/cgroups.py`` makes them).
 SLOT_CONTROLLERS = ("memory", "pids", "cpu")
 
 

@@ -81,7 +81,7 @@ async def _settle(start: dict[int, tuple[str, float]], limit: float = 30.0,
                   idle_ms: float = 5.0) -> tuple[float, dict[int, tuple[str, float]]]:
     """After the batch: wait until our processes use under ``idle_ms`` of CPU per 0.25 s,
     two readings running (at most ``limit`` seconds): the work the agents put off while
-    the batch kept the CPU busy (the slots' standby layers, agent/quiet.py). Returns the
+    the batch kept the CPU busy (the slots' standby layers, agent/limits/quiet.py). Returns the
     seconds until then and the last :func:`cpu_by_pid` reading."""
     t0, last, calm = perf(), start, 0
     while perf() - t0 < limit and calm < 2:
@@ -120,7 +120,7 @@ def bwrap_true_rate(bwrap: str, n: int, parallel: int) -> dict[str, Any]:
     return {**rate, "failed": sum(c != 0 for c in codes)}
 
 
-#: A slot shell's bwrap options (agent/isolation.py: ``bwrap_root_argv``, whose own
+#: A slot shell's bwrap options (agent/limits/isolation.py: ``bwrap_root_argv``, whose own
 #: argv cannot serve here: it binds the control directory at ``/run/hmt``, which on the
 #: host's root would make that directory on the host), its root the host's, read-only.
 _SHELL_OPTIONS = ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL", "--unshare-pid",

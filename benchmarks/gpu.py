@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine  # noqa: E402
 
 from hermes_modal_tool import SandboxConfig, ToolBackend  # noqa: E402
-from hermes_modal_tool.agent import gpu as agent_gpu  # noqa: E402
+from hermes_modal_tool.agent.limits import gpu as agent_gpu  # noqa: E402
 from hermes_modal_tool.gpus import discovery_root, read_cdi  # noqa: E402
 
 NO_GPU = 3

@@ -6,6 +6,7 @@ with ``driver="modal"`` as the default, kept so code written for the original
 Atropos Modal backend works by changing only the import.
 """
 
+from ._version import __version__ as __version__
 from .backend import ModalToolBackend, ToolBackend
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .errors import (
@@ -34,8 +35,6 @@ from .processes import SlotProcess
 from .slots import ExecutionResult, OutputEvent, Slot, SlotState, ToolResult
 from .snapshots import SlotSnapshot
 from .usage import Usage
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BackendClosedError",

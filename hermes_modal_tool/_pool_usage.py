@@ -1,7 +1,7 @@
 """The pool's part of the usage ledger (mixed into :class:`~hermes_modal_tool.pool.SandboxPool`).
 
 Per lease: the wall time held and the tool calls (counted on the :class:`Slot`), and the
-agent's measurement of CPU, memory and disk (``usage`` op, ``agent/usage.py``). Per
+agent's measurement of CPU, memory and disk (``usage`` op, ``agent/limits/usage.py``). Per
 pool: slot-seconds of live sandboxes against slot-seconds held, so that
 ``get_status()`` shows the warm time no trajectory used.
 """
@@ -16,7 +16,7 @@ from .slots import Slot
 from .usage import Usage, from_agent
 
 if TYPE_CHECKING:
-    from .pool import _Record
+    from ._slot_record import SlotRecord
     from .sandbox import Sandbox
 
 #: Seconds the agent has to answer a ``usage`` request (it walks the slot's layer).
@@ -49,7 +49,7 @@ class PoolUsage:
         self._held_s_done += held
         return held
 
-    def _ask_usage(self, rec: _Record | None, disk: bool = False) -> tuple[Any, str | None]:
+    def _ask_usage(self, rec: SlotRecord | None, disk: bool = False) -> tuple[Any, str | None]:
         """Queue the ``usage`` request (written with the sandbox's next flush): the future
         of its reply, or None and why the agent is not asked."""
         if rec is None or rec.sandbox.dead:
@@ -77,7 +77,7 @@ class PoolUsage:
                           profile=self.name, wall_s=wall_s, calls=slot._calls,
                           gpu=self._has_gpu(), note=note)
 
-    async def _measure(self, rec: _Record | None, slot: Slot, wall_s: float, disk: bool = False) -> Usage:
+    async def _measure(self, rec: SlotRecord | None, slot: Slot, wall_s: float, disk: bool = False) -> Usage:
         """Ask the slot's agent what the tenant used (one round trip)."""
         asked = self._ask_usage(rec, disk)
         if rec is not None and asked[0] is not None:

@@ -22,6 +22,7 @@ from .profiles import (
     ENV_PREFIXES,
     load_profiles,
     read_profiles_file,
+    set_default_model,
     split_profile_var,
 )
 from .volumes import Volume, check_volumes
@@ -302,6 +303,13 @@ class SandboxConfig(BaseModel):
         """
         return load_profiles(config_file, cls=cls)[0]
 
+    @classmethod
+    def check_profile(cls, name: str, values: Mapping[str, Any], where: str,
+                      keys: Mapping[str, str] | None = None) -> tuple[SandboxConfig | None, list[str]]:
+        """:func:`validate_profile` with this class: ``(config, [])`` or ``(None, problems)``
+        (how :func:`~hermes_modal_tool.profiles.load_profiles` checks each profile)."""
+        return validate_profile(name, values, where, cls, keys)
+
     def get_app_name(self, fallback: str = "hermes-modal-tool") -> str:
         """``app_name``, or ``"{fallback}-{name}"`` when none was set."""
         return self.app_name or f"{fallback}-{self.name}"
@@ -390,3 +398,6 @@ def _describe(exc: ValidationError | ConfigError | list[Any],
             sources = [f"{f} from {keys[f]}" for f in ("min_sandboxes", "max_sandboxes") if f in msg and f in keys]
             problems.append(msg + (f" ({'; '.join(sources)})" if sources else ""))
     return problems
+
+
+set_default_model(SandboxConfig)

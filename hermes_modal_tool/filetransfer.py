@@ -33,7 +33,7 @@ from .errors import TransferError, UsageError
 from .slots import Slot
 
 if TYPE_CHECKING:
-    from .backend import ToolBackend
+    from ._backend_view import BackendView
 
 #: Bytes per chunk (before base64): one tool call each. Small, so that a neighbour's call waits
 #: behind at most DEPTH chunks on the shared stream (benchmarks/transfer.py: with 1 MiB x 4
@@ -74,7 +74,7 @@ class Transfer:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-async def _checksum(backend: ToolBackend, slot: Slot, path: str) -> dict[str, Any]:
+async def _checksum(backend: BackendView, slot: Slot, path: str) -> dict[str, Any]:
     pool = backend._pools.get(slot.profile)
     if pool is None:
         raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
@@ -115,7 +115,7 @@ async def _drain(calls: deque[Awaitable[Any]]) -> None:
             await asyncio.gather(*calls, return_exceptions=True)
 
 
-async def upload_file(backend: ToolBackend, slot: Slot, fh: IO[bytes], remote: str,
+async def upload_file(backend: BackendView, slot: Slot, fh: IO[bytes], remote: str,
                       offset: int = 0) -> Transfer:
     """Send the rest of binary file object ``fh`` (from ``offset``) to ``remote`` in the slot."""
     started = time.monotonic()
@@ -161,7 +161,7 @@ async def upload_file(backend: ToolBackend, slot: Slot, fh: IO[bytes], remote: s
     return Transfer(remote, sent, offset + sent, 1, digest.hexdigest(), time.monotonic() - started)
 
 
-async def download_file(backend: ToolBackend, slot: Slot, remote: str, fh: IO[bytes],
+async def download_file(backend: BackendView, slot: Slot, remote: str, fh: IO[bytes],
                         offset: int = 0) -> Transfer:
     """Write ``remote`` (from ``offset``) to binary file object ``fh``, positioned at ``offset``."""
     started = time.monotonic()
@@ -210,7 +210,7 @@ async def download_file(backend: ToolBackend, slot: Slot, remote: str, fh: IO[by
     return Transfer(remote, got, offset + got, 1, digest.hexdigest(), time.monotonic() - started)
 
 
-async def upload(backend: ToolBackend, slot: Slot, local: Any, remote: str, offset: int = 0) -> Transfer:
+async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offset: int = 0) -> Transfer:
     """``backend.upload``: a local file or directory path, or a binary file object."""
     _check(slot, remote, offset)
     if isinstance(local, (str, os.PathLike)):
@@ -234,7 +234,7 @@ async def upload(backend: ToolBackend, slot: Slot, local: Any, remote: str, offs
     return await upload_file(backend, slot, local, remote, offset)
 
 
-async def download(backend: ToolBackend, slot: Slot, remote: str, local: Any, offset: int = 0) -> Transfer:
+async def download(backend: BackendView, slot: Slot, remote: str, local: Any, offset: int = 0) -> Transfer:
     """``backend.download``: into a local path (file, or directory for a remote directory)
     or a binary file object."""
     _check(slot, remote, offset)
@@ -291,7 +291,7 @@ def _plan_tree(top: str, remote: str) -> tuple[list[tuple[str, str]], list[str],
     return pairs, empty, skipped
 
 
-async def _upload_tree(backend: ToolBackend, slot: Slot, top: str, remote: str) -> Transfer:
+async def _upload_tree(backend: BackendView, slot: Slot, top: str, remote: str) -> Transfer:
     started = time.monotonic()
     pairs, empty, skipped = await asyncio.to_thread(_plan_tree, top, remote)
     total = files = 0
@@ -308,7 +308,7 @@ async def _upload_tree(backend: ToolBackend, slot: Slot, top: str, remote: str) 
     return Transfer(remote, total, total, files, None, time.monotonic() - started, skipped)
 
 
-async def _download_tree(backend: ToolBackend, slot: Slot, remote: str, top: str) -> Transfer:
+async def _download_tree(backend: BackendView, slot: Slot, remote: str, top: str) -> Transfer:
     started = time.monotonic()
     listing = await backend.execute(slot, "list_artifacts", {"path": remote, "recursive": True,
                                                               "max_entries": 1_000_000})

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .agent import gpu as agent_gpu
+from .agent.limits import gpu as agent_gpu
 from .errors import GpuMismatchError, GpuUnavailableError
 
 log = logging.getLogger("hermes_modal_tool")

@@ -101,7 +101,7 @@ class SlotToolServer:
     def _build(self) -> Any:
         from mcp.server.lowlevel import Server
 
-        from . import __version__
+        from ._version import __version__
         return Server("hermes-modal-tool", version=__version__,
                       instructions="Tools run in your own persistent Linux shell workspace (a slot).",
                       on_list_tools=self._list_tools, on_call_tool=self._call_tool)

@@ -16,12 +16,12 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import tracing
 from ._pool_status import PoolStatus
 from ._pool_usage import PoolUsage
+from ._slot_record import SlotRecord as _Record
 from .config import SandboxConfig
 from .drivers.base import Driver
 from .errors import (
@@ -45,22 +45,6 @@ START_TIMEOUT_S = float(os.environ.get("HERMES_MODAL_TOOL_START_TIMEOUT_S") or 1
 MAX_CALL_TIMEOUT_S = 86400.0
 #: How many of the last released free slots ``acquire`` chooses from (the oldest of them).
 PICK_WINDOW = 8
-
-
-@dataclass(eq=False)
-class _Record:
-    """The pool's own view of a slot; a public :class:`Slot` is one lease of it."""
-
-    sandbox: Sandbox
-    index: int
-    slot_id: str
-    workspace_dir: str
-    lease: int = 0
-    holder: Slot | None = None
-    inflight: int = 0
-    ready: bool = True
-    offered: float = 0.0  # when it was last offered (time.monotonic())
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class SandboxPool(SlotResets, PoolStatus, PoolUsage):

@@ -1,6 +1,6 @@
 """Processes of a slot beside its shell: interactive programs on a PTY, or long jobs on
 pipes, that a program writes to and reads from while they run (as E2B's and Modal's
-``exec`` handles). The agent's side: ``hermes_modal_tool/agent/ptyprocs.py``.
+``exec`` handles). The agent's side: ``hermes_modal_tool/agent/shells/ptyprocs.py``.
 
 Example:
     >>> async def repl(backend, slot):
@@ -24,7 +24,7 @@ from .errors import SandboxError, UsageError
 from .slots import Slot
 
 if TYPE_CHECKING:
-    from .backend import ToolBackend
+    from ._backend_view import BackendView
 
 #: Seconds beyond a request's own wait the host gives the agent to answer.
 ANSWER_S = 30.0
@@ -47,7 +47,7 @@ class SlotProcess:
     pid: int
     pty: bool
     command: str
-    _backend: ToolBackend = field(repr=False)
+    _backend: BackendView = field(repr=False)
 
     async def _ask(self, action: str, within: float = 0.0, **fields: Any) -> dict[str, Any]:
         return await self._backend._process_request(self.slot, action, within, process=self.id, **fields)

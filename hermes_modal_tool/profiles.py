@@ -60,10 +60,26 @@ _NOT_FROM_ENV = {"PROFILES", "PROFILES_FILE", "DEFAULT_PROFILE", "MODE"}
 _TRUE = {"1", "true", "yes", "on"}
 
 
-def _fields() -> set[str]:
-    from .config import SandboxConfig
+#: The config class profiles are built with when a caller names none (``cls``): set by
+#: :mod:`.config` when it defines :class:`~hermes_modal_tool.SandboxConfig`. Config imports
+#: this module and this module never imports config, so the two stay one-way.
+_default_model: type[SandboxConfig] | None = None
 
-    return set(SandboxConfig.model_fields)
+
+def set_default_model(cls: type[SandboxConfig]) -> None:
+    """Name the config class used when a caller gives no ``cls`` (called by :mod:`.config`)."""
+    global _default_model
+    _default_model = cls
+
+
+def _model() -> type[SandboxConfig]:
+    if _default_model is None:  # config.py is imported with the package, so it is set
+        raise RuntimeError("hermes_modal_tool.config has not set the default config class")
+    return _default_model
+
+
+def _fields() -> set[str]:
+    return set(_model().model_fields)
 
 
 def _known_keys() -> list[str]:
@@ -250,9 +266,7 @@ def load_profiles(
             or a profile has an unknown key, a wrong type or ``min > max``; one error
             lists every problem found.
     """
-    from .config import SandboxConfig, validate_profile
-
-    cls = cls or SandboxConfig
+    cls = cls or _model()
     env = os.environ if env is None else env
     problems: list[str] = []
     reader = _EnvReader(env, prefixes, problems)
@@ -297,7 +311,7 @@ def load_profiles(
         if global_secrets and ("secrets" in file_values or "secrets" in vals) and isinstance(
                 merged.get("secrets"), list):
             merged["secrets"] = list(dict.fromkeys([*merged["secrets"], *_parse_env("secrets", global_secrets)]))
-        cfg, errs = validate_profile(name, merged, where, cls, keys)
+        cfg, errs = cls.check_profile(name, merged, where, keys)
         problems.extend(errs)
         if cfg is not None:
             profiles[name] = cfg

@@ -21,7 +21,7 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               the slot's shell to start, and (3) for admission: a sandbox whose CPU
               is taken (by commands that compute, not by ones that sleep or wait on
               I/O) queues further commands, first come first served (see
-              ``hermes_modal_tool/agent/admission.py``).
+              ``hermes_modal_tool/agent/limits/admission.py``).
 ``reset``     ``{"slot": int}``: kill the slot's shell and every process it started,
               empty its workspace. The next call gets a fresh shell.
 ``cancel``    ``{"target": int}``: stop the call with id ``target`` (kills what it
@@ -29,7 +29,7 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 ``status``    ``{}``: per-slot state, for diagnostics.
 ``shutdown``  ``{}``: kill every slot, remove what the agent created, answer, exit.
 ``snapshot``  ``{"slot": int, "cap_bytes": int?}``: freeze the slot's layer and shell state
-              (see ``hermes_modal_tool/agent/snapshots.py``); the slot goes on from it.
+              (see ``hermes_modal_tool/agent/state/snapshots.py``); the slot goes on from it.
               Result ``{"snapshot": id, "size_bytes", "depth", "total_bytes"}``.
 ``fork``      ``{"slot": int, "snapshot": id}``: a free slot starts from a snapshot.
 ``release_snapshot`` ``{"snapshot": id}``: drop one hold (freed with its last user).
@@ -38,19 +38,19 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 ``ping``      ``{}`` with id 0: the owner is alive (Modal's heartbeat); no answer.
 ``process``   ``{"slot": int, "action": str, "process": int, ...}``: a slot's processes
               (a ``bash`` call with ``pty: true`` starts one; see
-              ``hermes_modal_tool/agent/ptyprocs.py``).
+              ``hermes_modal_tool/agent/shells/ptyprocs.py``).
 ``usage``     ``{"slot": int}``: what the slot's tenant (since its last reset) used: result
               ``{"source", "cpu_user_s", "cpu_system_s", "memory_peak_bytes", "disk_bytes",
-              "disk_peak_bytes", "notes"}`` (see ``hermes_modal_tool/agent/usage.py``).
+              "disk_peak_bytes", "notes"}`` (see ``hermes_modal_tool/agent/limits/usage.py``).
 ``checksum``  ``{"slot": int, "path": str}``: the file's ``{"sha256", "size", "path"}``, read
-              through the slot's view (``agent/filesums.py``; streamed transfer checks).
+              through the slot's view (``agent/files/filesums.py``; streamed transfer checks).
 ``ack``       ``{"bytes": int}`` with id 0: the host received that much streamed output
               (see ``output`` below); no answer.
 
 A ``call`` with ``"stream": true`` has its output sent while it runs, as events
 ``{"id": 0, "event": "output", "target": id, "chunks": [[1 or 2, str], ...], "b64"?}``
 (1 stdout, 2 stderr; base64 with ``encoding: "bytes"``), all before its response
-(``hermes_modal_tool/agent/streaming.py``: the bounds per slot and per sandbox).
+(``hermes_modal_tool/agent/shells/streaming.py``: the bounds per slot and per sandbox).
 
 Responses (agent -> host): ``{"id": int, "ok": bool, "error": str?, "result": {...}}``.
 For ``call`` the result has the keys of :data:`RESULT_KEYS`.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .errors import SandboxDiedError, SandboxError
 
 if TYPE_CHECKING:
-    from .pool import _Record
+    from ._slot_record import SlotRecord
 
 log = logging.getLogger("hermes_modal_tool")
 
@@ -28,7 +28,7 @@ class SlotResets:
     """Needs the pool's ``_records``, ``_sandboxes``, ``stats``, ``last_error``, ``_spawn``,
     ``_offer`` and ``_retire``."""
 
-    async def _reset(self, rec: _Record) -> None:
+    async def _reset(self, rec: SlotRecord) -> None:
         sb = rec.sandbox
         try:
             reply = await sb.request({"op": "reset", "slot": rec.index}, RESET_TIMEOUT_S)
@@ -44,7 +44,7 @@ class SlotResets:
         rec.ready = True
         self._offer(rec)
 
-    def _quarantine(self, rec: _Record, exc: BaseException) -> None:
+    def _quarantine(self, rec: SlotRecord, exc: BaseException) -> None:
         """Take a slot whose reset failed out of service, keep its sandbox's other slots
         running, and retry the reset after each of ``QUARANTINE_RETRY_S``; after the last
         it stays out (reported in ``status()["quarantined_slots"]``) until its sandbox ends."""
@@ -67,7 +67,7 @@ class SlotResets:
         if all(r.extra.get("quarantine", {}).get("gave_up") for r in recs):
             self._retire(rec.sandbox)  # nothing left in it to serve
 
-    async def _retry_reset(self, rec: _Record, lease: int, delay: float) -> None:
+    async def _retry_reset(self, rec: SlotRecord, lease: int, delay: float) -> None:
         await asyncio.sleep(delay)
         if rec.lease == lease and rec.holder is None and rec.sandbox.sandbox_id in self._sandboxes:
             await self._reset(rec)

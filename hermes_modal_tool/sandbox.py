@@ -30,11 +30,11 @@ log = logging.getLogger("hermes_modal_tool")
 #: Extra seconds the host waits past a call's own timeout before giving up on the agent
 #: (generous: an overloaded machine delays the agent's kill-and-report procedure).
 HOST_GRACE_S = 30.0
-#: Streamed output bytes after which the host acknowledges them (agent/streaming.py ACK_BYTES).
+#: Streamed output bytes after which the host acknowledges them (agent/shells/streaming.py ACK_BYTES).
 STREAM_ACK_BYTES = 64 * 1024
 INIT_TIMEOUT_S = 60.0
 #: Test-only: seconds a slot's shell may take to start in the agent (default 60; see
-#: ``agent/shellprocs.py``), so a test can show a stuck start failing its call quickly.
+#: ``agent/shells/shellprocs.py``), so a test can show a stuck start failing its call quickly.
 SHELL_START_TIMEOUT_ENV = "HERMES_MODAL_TOOL_SHELL_START_TIMEOUT_S"
 
 
@@ -93,7 +93,7 @@ class Sandbox:
         except SandboxError as exc:
             raise SandboxStartError(f"sandbox {self.sandbox_id} did not start: {exc}") from None
         if not reply.get("ok"):
-            if reply.get("kind") == "GpuMissing":  # agent/gpu.py: a gpu profile, no GPU there
+            if reply.get("kind") == "GpuMissing":  # agent/limits/gpu.py: a gpu profile, no GPU there
                 from .errors import GpuUnavailableError
 
                 raise GpuUnavailableError(f"sandbox {self.sandbox_id}: {reply.get('error')}")
@@ -128,7 +128,7 @@ class Sandbox:
             if listener is not None:
                 listener(msg)
             self._unacked += sum(len(chunk[1]) for chunk in msg.get("chunks") or ())
-            if self._unacked >= STREAM_ACK_BYTES:  # the agent's window (agent/streaming.py)
+            if self._unacked >= STREAM_ACK_BYTES:  # the agent's window (agent/shells/streaming.py)
                 self._outbox.append(protocol.encode({"id": 0, "op": "ack", "bytes": self._unacked}))
                 self._unacked = 0
                 self.flush()

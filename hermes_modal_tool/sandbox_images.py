@@ -16,10 +16,10 @@ from .errors import SetupError, SnapshotError, UsageError
 from .shared_setup import check_commands
 
 if TYPE_CHECKING:
-    from .backend import ToolBackend
+    from ._backend_view import BackendView
 
 
-async def snapshot_sandbox(backend: ToolBackend, profile: str | None, setup: Sequence[str] | str | None,
+async def snapshot_sandbox(backend: BackendView, profile: str | None, setup: Sequence[str] | str | None,
                            use: bool, timeout_s: int) -> str:
     cfg = backend.profile(profile)
     if cfg.driver != "modal":

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import SetupError, UsageError
 
 if TYPE_CHECKING:
-    from .backend import ToolBackend
+    from ._backend_view import BackendView
     from .snapshots import SlotSnapshot
 
 #: Seconds each setup command may run.
@@ -45,7 +45,7 @@ def check_commands(commands: Any, where: str) -> list[str]:
 class SharedSetups:
     """A backend's setups by key: the snapshot of each that succeeded, the one running."""
 
-    def __init__(self, backend: ToolBackend) -> None:
+    def __init__(self, backend: BackendView) -> None:
         self.backend = backend
         self.done: dict[str, SlotSnapshot] = {}
         self.running: dict[str, asyncio.Task] = {}

@@ -27,7 +27,7 @@ from .errors import HermesModalToolError, SandboxError, SnapshotError, UsageErro
 from .slots import Slot, SlotState
 
 if TYPE_CHECKING:
-    from .backend import ToolBackend
+    from ._backend_view import BackendView
     from .pool import SandboxPool
     from .sandbox import Sandbox
 
@@ -85,7 +85,7 @@ def _held(slot: Slot) -> bool:
 class Snapshots:
     """A backend's snapshots (one per backend; see :class:`SlotSnapshot`)."""
 
-    def __init__(self, backend: ToolBackend) -> None:
+    def __init__(self, backend: BackendView) -> None:
         self.backend = backend
         self.live: dict[str, SlotSnapshot] = {}
         self._moves: set[asyncio.Task] = set()  # copies to other sandboxes (copy_to)

@@ -1,7 +1,7 @@
 """Live output of running calls: ``on_output`` callbacks and ``execute_stream``.
 
 The agent sends a call's output as ``output`` events on the sandbox's one stream while
-the call runs (see ``hermes_modal_tool/agent/streaming.py``: coalesced, at most one
+the call runs (see ``hermes_modal_tool/agent/shells/streaming.py``: coalesced, at most one
 event per 10 ms and 256 KiB per slot; the last one before the result); here each
 event's chunks become :class:`~hermes_modal_tool.slots.OutputEvent` objects.
 """

@@ -107,7 +107,7 @@ def _get_tracer() -> Any:
     if _tracer is None:
         from opentelemetry import trace
 
-        from . import __version__
+        from ._version import __version__
         _tracer = trace.get_tracer(SCOPE, __version__)
     return _tracer
 

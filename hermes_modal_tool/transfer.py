@@ -1,6 +1,6 @@
 """Snapshots as tar streams between sandboxes, machines and drivers (the host's side).
 
-The agent writes and reads the stream (see ``hermes_modal_tool/agent/transfer.py`` for
+The agent writes and reads the stream (see ``hermes_modal_tool/agent/state/transfer.py`` for
 the format); the host moves it in chunks, one request each, so neither side holds a
 whole snapshot in memory. :func:`copy_between` moves a snapshot from one sandbox to
 another chunk by chunk (export and import overlap).
@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import SnapshotError, UsageError
 
 if TYPE_CHECKING:
     from .sandbox import Sandbox
-    from .snapshots import Snapshots
 
 #: Bytes per chunk (before base64; a frame carries one).
 CHUNK_BYTES = 4 * 1024 * 1024
 CHUNK_WAIT_S = 300.0
 
 
-async def export_chunks(snaps: Snapshots, sb: Sandbox, agent_id: str) -> AsyncIterator[bytes]:
+class _Asks(Protocol):
+    """What a transfer needs of :class:`~.snapshots.Snapshots` (named here, so this module
+    does not import snapshots back): one request to a sandbox's agent, its reply checked."""
+
+    async def ask(self, sb: Sandbox, message: dict[str, Any], what: str,
+                  wait_s: float = ...) -> dict[str, Any]: ...
+
+
+async def export_chunks(snaps: _Asks, sb: Sandbox, agent_id: str) -> AsyncIterator[bytes]:
     """The tar stream of snapshot ``agent_id`` of sandbox ``sb``, in chunks."""
     what = f"export of {agent_id} from {sb.sandbox_id}"
     started = await snaps.ask(sb, {"op": "export_snapshot", "snapshot": agent_id}, what)
@@ -38,7 +45,7 @@ async def export_chunks(snaps: Snapshots, sb: Sandbox, agent_id: str) -> AsyncIt
             return
 
 
-async def import_chunks(snaps: Snapshots, sb: Sandbox,
+async def import_chunks(snaps: _Asks, sb: Sandbox,
                         chunks: AsyncIterable[bytes] | Iterable[bytes] | bytes) -> dict[str, Any]:
     """Send a tar stream to sandbox ``sb``; return the agent's reply (``snapshot`` id,
     ``size_bytes``)."""
@@ -64,7 +71,7 @@ async def import_chunks(snaps: Snapshots, sb: Sandbox,
     return end
 
 
-async def _send(snaps: Snapshots, sb: Sandbox, stream: str, chunk: bytes, what: str) -> None:
+async def _send(snaps: _Asks, sb: Sandbox, stream: str, chunk: bytes, what: str) -> None:
     if not isinstance(chunk, (bytes, bytearray, memoryview)):
         raise UsageError(f"import_snapshot: each chunk must be bytes, got {type(chunk).__name__}")
     for i in range(0, len(chunk), CHUNK_BYTES):
@@ -73,7 +80,7 @@ async def _send(snaps: Snapshots, sb: Sandbox, stream: str, chunk: bytes, what: 
                         what, CHUNK_WAIT_S)
 
 
-async def copy_between(snaps: Snapshots, source: Sandbox, agent_id: str, target: Sandbox,
+async def copy_between(snaps: _Asks, source: Sandbox, agent_id: str, target: Sandbox,
                        cap_bytes: int) -> str:
     """Move snapshot ``agent_id`` of ``source`` to ``target``; return its id there.
 

@@ -3,7 +3,7 @@
 ``await backend.release(slot)`` returns a :class:`Usage`; ``await backend.usage(slot)``
 gives one while the slot is held. The host counts the wall time held, the tool calls
 and the GPU time (the wall time held, when the profile has a ``gpu``); the in-sandbox
-agent measures CPU, memory and disk (``hermes_modal_tool/agent/usage.py``): from the
+agent measures CPU, memory and disk (``hermes_modal_tool/agent/limits/usage.py``): from the
 slot's cgroup where it has one (``source`` ``"cgroup-v1"`` or ``"cgroup-v2"``), else
 only what the agent can count (``"agent"``: CPU and memory None); ``"host"`` when the
 agent could not be asked (its sandbox died), with only the host's counts.

@@ -2,7 +2,7 @@
 
 A profile's ``volumes: [{source, target, read_only}]`` (see :class:`Volume`) is passed
 to the sandbox's agent in its ``init`` config; the agent adds one bind mount per volume
-to each slot's bubblewrap command line (``hermes_modal_tool/agent/volumes.py``). The
+to each slot's bubblewrap command line (``hermes_modal_tool/agent/fs/volumes.py``). The
 directory is shared, not copied: one page cache for every slot that reads it.
 """
 

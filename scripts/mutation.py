@@ -51,7 +51,7 @@ FS = "tests/security/test_attack_filesystem.py"
 TARGETS: dict[str, Target] = {
     # The agent's file tools and path resolution.
     "files": Target(
-        "hermes_modal_tool/agent/files.py",
+        "hermes_modal_tool/agent/files/files.py",
         ("Workspace._parts", "Workspace.walk", "Workspace._link_target", "Workspace._check_owner",
          "Workspace.open_read", "Workspace.write_bytes"),
         before=(f"{FS}::test_symlinks_pointing_out_via_file_tools", f"{FS}::test_hard_links_to_foreign_files",
@@ -59,7 +59,7 @@ TARGETS: dict[str, Target] = {
         after=("tests/test_file_tools_unit.py",), timeout_s=150.0, test_timeout_s=40.0),
     # The snapshot importer (its member checks and extraction).
     "importer": Target(
-        "hermes_modal_tool/agent/transfer.py", ("_read_tar",),
+        "hermes_modal_tool/agent/state/transfer.py", ("_read_tar",),
         before=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
                 "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state"),
         after=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
@@ -72,7 +72,7 @@ TARGETS: dict[str, Target] = {
         before=("tests/test_images.py",), after=("tests/test_images.py",), timeout_s=240.0),
     # Admission (how many shells start at once, memory checks).
     "admission": Target(
-        "hermes_modal_tool/agent/admission.py", (),
+        "hermes_modal_tool/agent/limits/admission.py", (),
         before=("tests/test_admission.py",), after=("tests/test_admission.py",)),
     # Release and reset.
     "resets": Target(

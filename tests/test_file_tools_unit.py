@@ -1,4 +1,4 @@
-"""The agent's path resolution (agent/files.py ``Workspace``) on a real directory tree, in
+"""The agent's path resolution (agent/files/files.py ``Workspace``) on a real directory tree, in
 process (milliseconds a test: the mutation script runs these against every mutant).
 
 Both layouts: workspace-only (``Workspace(ws, "/data/slot_1")``: absolute paths must be
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_modal_tool.agent.files import FileToolError, Workspace
+from hermes_modal_tool.agent.files.files import FileToolError, Workspace
 
 TOKEN = "outside-canary"
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from support import agent_processes, bash, layered
 
-from hermes_modal_tool.agent import mounts, trees
+from hermes_modal_tool.agent.fs import mounts, trees
 
 pytestmark = pytest.mark.usefixtures("needs_root")
 

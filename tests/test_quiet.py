@@ -1,4 +1,4 @@
-"""agent/quiet.py: background work waits while the CPU is saturated, within its budget.
+"""agent/limits/quiet.py: background work waits while the CPU is saturated, within its budget.
 
 The pressure file is written in the kernel's own format (``Documentation/accounting/
 psi.rst``); the clock is the test's, so the waits are exact and take no time."""
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hermes_modal_tool.agent import quiet
+from hermes_modal_tool.agent.limits import quiet
 
 
 class Machine:

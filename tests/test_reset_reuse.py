@@ -4,7 +4,7 @@ directories: neither lets the next tenant see anything of the last one.
 The reset of a slot with a layered root answers as soon as the kill is sent; the old
 sandbox's teardown (its processes' end, the swap to a fresh layer) finishes while the
 slot stays busy, so a call for the slot made right after ``release`` waits for it. The
-dropped layer's directories are emptied and kept (``agent/layerspares.py``) for a later
+dropped layer's directories are emptied and kept (``agent/fs/layerspares.py``) for a later
 layer of any slot: only the tenant's ``upper`` holds what it wrote, and that is deleted.
 """
 
@@ -48,7 +48,7 @@ async def test_a_call_right_after_release_sees_none_of_the_killed_tenant(make_ba
 
 async def test_dropped_layers_directories_are_reused_and_nothing_piles_up(make_backend):
     # The layers' directories on the state's disk (with slot_disk enforced by the kernel each
-    # layer is a file system of its own instead, freed whole: agent/slotdisk.py).
+    # layer is a file system of its own instead, freed whole: agent/fs/slotdisk.py).
     backend = await make_backend(slots_per_sandbox=3, min_sandboxes=1, max_sandboxes=1,
                                  disk_limit="watch")
     if not layered(backend):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_modal_tool.agent import rootplan
+from hermes_modal_tool.agent.fs import rootplan
 from hermes_modal_tool.drivers import _rootmask
 
 

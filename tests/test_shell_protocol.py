@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from support import bash
 
-from hermes_modal_tool.agent.shellprocs import FRAME, HEADER
-from hermes_modal_tool.agent.shellstart import INLINE_MAX
+from hermes_modal_tool.agent.shells.shellprocs import FRAME, HEADER
+from hermes_modal_tool.agent.shells.shellstart import INLINE_MAX
 
 #: Commands in the shell's one read (the frame), just past it, that hold as much as the
 #: pipe takes, and more (these go through ``cmd``).

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from hermes_modal_tool.agent.shell import Shell
+from hermes_modal_tool.agent.shells.shell import Shell
 
 LIMIT_S = 0.5
 

@@ -1,4 +1,4 @@
-"""A snapshot stream is untrusted: each refusal the importer documents (agent/transfer.py:
+"""A snapshot stream is untrusted: each refusal the importer documents (agent/state/transfer.py:
 relative names below their layer, no ``..``, nothing below a symbolic link it made, hard
 links to earlier members only, devices only as whiteouts; and the header's checks), each
 beside a positive control (the same stream without the hostile member imports), and the

@@ -1,4 +1,4 @@
-"""Slot shells with a layered root start through the agent's spawner (``agent/spawner.py``):
+"""Slot shells with a layered root start through the agent's spawner (``agent/shells/spawner.py``):
 a small process forked from the agent at its start, in a mount namespace of its own, that
 clones each shell's bwrap as a child of the agent. These tests check what that must keep:
 the shells are the agent's children (it waits for them), bwrap starts in a namespace that

@@ -1,4 +1,4 @@
-"""Standby layers wait for a free CPU (agent/quiet.py), and are all made once it is.
+"""Standby layers wait for a free CPU (agent/limits/quiet.py), and are all made once it is.
 
 Slots started at once: while their shells start, the agent puts off the next tenants'
 standby layers (none is made before the last of those shells' roots); once the starts
@@ -15,7 +15,7 @@ import time
 import pytest
 from support import bash, layered
 
-from hermes_modal_tool.agent import quiet
+from hermes_modal_tool.agent.limits import quiet
 
 pytestmark = pytest.mark.usefixtures("needs_root")
 

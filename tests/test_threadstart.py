@@ -1,5 +1,5 @@
 """Slot shells with a layered root start from a new thread of the agent
-(``agent/threadstart.py``): the thread takes on the slot's mount namespace, cgroups,
+(``agent/shells/threadstart.py``): the thread takes on the slot's mount namespace, cgroups,
 Landlock domain, uid and session keyring, then ``vfork``\\ s bwrap. These tests check what
 that must keep: bwrap is the agent's child and runs as the slot's uid, the agent never
 stays in a slot's cgroups (a ``kill_slot`` would find it there), the starting thread keeps

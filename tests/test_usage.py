@@ -98,7 +98,7 @@ def thread_cgroups(pid: int) -> list[str]:
 
 async def test_the_agents_own_threads_are_never_billed_to_a_slot(make_backend):
     """A shell started from a thread of the agent joins the slot's cgroups with that thread
-    only (agent/threadstart.py); the thread must leave every one of them, cpuacct too, or
+    only (agent/shells/threadstart.py); the thread must leave every one of them, cpuacct too, or
     the agent's own CPU is billed to whichever slot it started a shell for last."""
     backend = await make_backend(slots_per_sandbox=2)
     slots = [await backend.acquire(f"t{i}") for i in range(2)]

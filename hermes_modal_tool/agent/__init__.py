@@ -7,66 +7,123 @@ installs them under their package names and starts the agent, so no image needs
 our code installed: any image with ``python3`` >= 3.8 works. The bootstrap blocks
 ``ssl`` (``asyncio`` imports it when present): the agent speaks no TLS, and loading
 OpenSSL is a few milliseconds of every start.
+
+The agent's rooms, top to bottom; a module imports only from its own room and the
+rooms below it (``tests/test_import_graph.py`` checks it)::
+
+    main, calls, setup, slot, heartbeat   the agent process, the call router, init, a slot
+       state/    snapshots, forks, snapshots as tar streams
+       shells/   spawner, shell start, the shell protocol, output, PTY processes
+       limits/   isolation, cgroups, admission, watches, IPC cleanup, usage, caps, GPUs
+       files/    the file tools, confined to a slot's workspace
+       fs/       mounts, trees, the layered root, the disk limit, tmpfs, wipes, volumes
+    hermes_modal_tool.protocol, hermes_modal_tool.deadlines   (shared with the host)
+
+Everything here is stdlib-only and runs on Python 3.8.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import marshal
 from importlib import resources
+from typing import Any
 
-# Modules sent into the sandbox, in import order (dependencies first).
-_MODULES = (
-    ("hermes_modal_tool", None),
-    ("hermes_modal_tool.protocol", "protocol.py"),
-    ("hermes_modal_tool.deadlines", "deadlines.py"),
-    ("hermes_modal_tool.agent", None),
-    ("hermes_modal_tool.agent.scopes", "agent/scopes.py"),
-    ("hermes_modal_tool.agent.sysvipc", "agent/sysvipc.py"),
-    ("hermes_modal_tool.agent.isolation", "agent/isolation.py"),
-    ("hermes_modal_tool.agent.volumes", "agent/volumes.py"),
-    ("hermes_modal_tool.agent.mounts", "agent/mounts.py"),
-    ("hermes_modal_tool.agent.cgroupv2", "agent/cgroupv2.py"),
-    ("hermes_modal_tool.agent.cgroups", "agent/cgroups.py"),
-    ("hermes_modal_tool.agent.procs", "agent/procs.py"),
-    ("hermes_modal_tool.agent.owned", "agent/owned.py"),
-    ("hermes_modal_tool.agent.rootplan", "agent/rootplan.py"),
-    ("hermes_modal_tool.agent.trees", "agent/trees.py"),
-    ("hermes_modal_tool.agent.beneath", "agent/beneath.py"),
-    ("hermes_modal_tool.agent.usage", "agent/usage.py"),
-    ("hermes_modal_tool.agent.layerspares", "agent/layerspares.py"),
-    ("hermes_modal_tool.agent.slotdisk", "agent/slotdisk.py"),
-    ("hermes_modal_tool.agent.rootfs", "agent/rootfs.py"),
-    ("hermes_modal_tool.agent.rootprobe", "agent/rootprobe.py"),
-    ("hermes_modal_tool.agent.slottmpfs", "agent/slottmpfs.py"),
-    ("hermes_modal_tool.agent.diskwatch", "agent/diskwatch.py"),
-    ("hermes_modal_tool.agent.shmwatch", "agent/shmwatch.py"),
-    ("hermes_modal_tool.agent.files", "agent/files.py"),
-    ("hermes_modal_tool.agent.wipes", "agent/wipes.py"),
-    ("hermes_modal_tool.agent.filetools", "agent/filetools.py"),
-    ("hermes_modal_tool.agent.filesums", "agent/filesums.py"),
-    ("hermes_modal_tool.agent.admission", "agent/admission.py"),
-    ("hermes_modal_tool.agent.output", "agent/output.py"),
-    ("hermes_modal_tool.agent.shellprocs", "agent/shellprocs.py"),
-    ("hermes_modal_tool.agent.snapshots", "agent/snapshots.py"),
-    ("hermes_modal_tool.agent.transfer", "agent/transfer.py"),
-    ("hermes_modal_tool.agent.spawner", "agent/spawner.py"),
-    ("hermes_modal_tool.agent.threadstart", "agent/threadstart.py"),
-    ("hermes_modal_tool.agent.shellstart", "agent/shellstart.py"),
-    ("hermes_modal_tool.agent.shell", "agent/shell.py"),
-    ("hermes_modal_tool.agent.slot", "agent/slot.py"),
-    ("hermes_modal_tool.agent.caps", "agent/caps.py"),
-    ("hermes_modal_tool.agent.gpu", "agent/gpu.py"),
-    ("hermes_modal_tool.agent.heartbeat", "agent/heartbeat.py"),
-    ("hermes_modal_tool.agent.quiet", "agent/quiet.py"),
-    ("hermes_modal_tool.agent.setup", "agent/setup.py"),
-    ("hermes_modal_tool.agent.streaming", "agent/streaming.py"),
-    ("hermes_modal_tool.agent.ptyhelper", "agent/ptyhelper.py"),
-    ("hermes_modal_tool.agent.ptyprocs", "agent/ptyprocs.py"),
-    ("hermes_modal_tool.agent.calls", "agent/calls.py"),
-    ("hermes_modal_tool.agent.main", "agent/main.py"),
-)
+
+def _imports(tree: ast.Module, name: str, is_pkg: bool) -> set[str]:
+    """Every module ``name``'s source imports, at module level or inside functions, as
+    absolute names (``from . import x`` names both the package and ``package.x``)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(mod + "." + alias.name for alias in node.names)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _bundle_modules() -> tuple[tuple[str, str | None, str | None, ast.Module | None], ...]:
+    """The modules sent into the sandbox, derived from the package: every module under
+    ``hermes_modal_tool/agent/`` (its subpackages too) and every ``hermes_modal_tool``
+    module they import (``protocol``, ``deadlines``), dependencies first (the import
+    graph's topological order, imports inside functions counted), each package before
+    its modules. Shape: ``((module_name, path_relative_to_the_package, source, tree),
+    ...)``, the source headed by a comment naming the file, parsed once (the tree is what
+    :func:`bundle` compiles); ``None`` for all three marks a package, installed empty: a package's ``__init__.py`` in the agent
+    may hold nothing but a docstring (this one is the host's, never sent).
+
+    Raises ``ValueError`` naming the module on an import cycle, an agent package
+    ``__init__.py`` with code, or an import of a ``hermes_modal_tool`` module that does
+    not exist (a file moved without its importers)."""
+    root = resources.files("hermes_modal_tool")
+    files: dict[str, str] = {}  # module name -> path relative to the package
+    parsed: dict[str, tuple[str, ast.Module]] = {}
+    pending = [("hermes_modal_tool.agent", "agent")]
+    while pending:
+        pkg, rel = pending.pop()
+        for entry in root.joinpath(rel).iterdir():
+            if entry.is_dir() and entry.joinpath("__init__.py").is_file():
+                pending.append((pkg + "." + entry.name, rel + "/" + entry.name))
+            elif entry.name.endswith(".py"):
+                stem = entry.name[:-3]
+                files[pkg if stem == "__init__" else pkg + "." + stem] = rel + "/" + entry.name
+    deps: dict[str, set[str]] = {}
+    todo = [m for m in files if m != "hermes_modal_tool.agent"]
+    while todo:
+        name = todo.pop()
+        if name in deps:
+            continue
+        rel = files.get(name) or name.split(".", 1)[1].replace(".", "/") + ".py"
+        if name not in files and not root.joinpath(rel).is_file():
+            raise ValueError(f"agent bundle: {name} is imported but is no module of the package")
+        text = "# " + rel + "\n" + root.joinpath(rel).read_text(encoding="utf-8")
+        tree = ast.parse(text, f"<hermes-modal-tool:{name}>")
+        parsed[name] = (text, tree)
+        is_pkg = rel.endswith("__init__.py")
+        if is_pkg and any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+                          for n in tree.body):
+            raise ValueError(f"agent bundle: {rel} holds code; it is installed empty")
+        found = _imports(tree, name, is_pkg)
+        mine = set()
+        for mod in found:
+            if mod.partition(".")[0] != "hermes_modal_tool" or mod in (name, "hermes_modal_tool"):
+                continue
+            if mod in files or root.joinpath(mod.split(".", 1)[1].replace(".", "/") + ".py").is_file():
+                mine.add(mod)
+            elif mod.rpartition(".")[0] not in found:  # not ``from package import name``
+                raise ValueError(f"agent bundle: {rel} imports {mod}, which does not exist")
+        files.setdefault(name, rel)
+        parent = name.rpartition(".")[0]
+        deps[name] = {m for m in mine if m != "hermes_modal_tool"} | ({parent} if parent else set())
+        todo.extend(deps[name] - {"hermes_modal_tool.agent", "hermes_modal_tool"})
+    for name in ("hermes_modal_tool", "hermes_modal_tool.agent"):
+        deps[name] = {name.rpartition(".")[0]} - {""}
+    order: list[tuple[str, str | None, str | None, ast.Module | None]] = []
+    done: set[str] = set()
+    while len(done) < len(deps):
+        ready = sorted(n for n in deps if n not in done and deps[n] <= done)
+        if not ready:
+            stuck = sorted(n for n in deps if n not in done)
+            raise ValueError(f"agent bundle: import cycle among {stuck}")
+        for name in ready:
+            if name in parsed and not files[name].endswith("__init__.py"):
+                text, tree = parsed[name]
+                order.append((name, files[name], text, tree))
+            else:  # a package: installed empty
+                order.append((name, None, None, None))
+            done.add(name)
+    return tuple(order)
+
 
 BOOTSTRAP = (
     "import os,sys,json,types,marshal\n"
@@ -103,14 +160,11 @@ def bundle(compiled: bool = False) -> bytes:
     agent with ``sys.executable``, so it saves the agent compiling them (~20 ms per start)
     and decoding JSON (~3 ms).
     """
-    root = resources.files("hermes_modal_tool")
-    mods: list[list] = []
-    for name, rel in _MODULES:
-        src = None
-        if rel is not None:
-            src = "# " + rel + "\n" + root.joinpath(rel).read_text(encoding="utf-8")
-            if compiled:
-                src = compile(src, f"<hermes-modal-tool:{name}>", "exec")
+    mods: list[list[Any]] = []
+    for name, _rel, text, tree in _bundle_modules():
+        src: Any = text
+        if compiled and tree is not None:
+            src = compile(tree, f"<hermes-modal-tool:{name}>", "exec")
         mods.append([name, src])
     payload = b"M" + marshal.dumps(mods) if compiled else json.dumps(mods).encode("utf-8")
     return b"%010d" % len(payload) + payload

@@ -16,8 +16,10 @@ import signal
 import time
 
 from .. import protocol
-from . import diskwatch, files, filetools, isolation, owned, ptyprocs
-from .streaming import OutputStream
+from .files import files, filetools
+from .limits import diskwatch, isolation
+from .shells import owned, ptyprocs
+from .shells.streaming import OutputStream
 
 #: Seconds a call may wait to start (behind its slot's running call, for admission or
 #: for its shell) before the host is told it is queued and stops its deadline until the
@@ -141,7 +143,7 @@ class Calls:
         stdin_path = "/dev/null"
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
-        if args.get("pty") is not None:  # a process beside the shell (agent/ptyprocs.py)
+        if args.get("pty") is not None:  # a process beside the shell (agent/shells/ptyprocs.py)
             def begin():
                 self.own(self._process(slot, command, env, args, done))
         elif background:
@@ -154,7 +156,7 @@ class Calls:
                 done = self._disk_checked(slot, done)
             elif self.layer_disks is not None and slot.root is not None:
                 done = self._disk_full_checked(slot, done)  # the kernel's limit (slotdisk.py)
-            if getattr(self, "shm_watch", None) is not None:  # no bwrap (agent/shmwatch.py)
+            if getattr(self, "shm_watch", None) is not None:  # no bwrap (agent/limits/shmwatch.py)
                 done = self.shm_watch.checked(slot, done)
             live = OutputStream(self, slot.shell, msg.get("id"), raw) if msg.get("stream") else None
             if live is not None:
@@ -394,5 +396,5 @@ def _cap(text, limit):
     if len(text) <= limit:
         return text, False
     keep = limit // 2
-    from .output import marker
+    from .shells.output import marker
     return text[:keep] + marker(len(text) - 2 * keep) + text[len(text) - keep:], True

@@ -19,14 +19,17 @@ import sys
 
 from .. import protocol
 from ..deadlines import Deadlines
-from . import admission, mounts, ptyprocs, quiet, rootfs, snapshots, spawner, streaming, trees
 from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
-from .diskwatch import DiskWatch
-from .filesums import dispatch as dispatch_checksum
+from .files.filesums import dispatch as dispatch_checksum
+from .fs import mounts, rootfs, trees
+from .limits import admission, quiet
+from .limits.diskwatch import DiskWatch
+from .limits.usage import dispatch as dispatch_usage
+from .limits.usage import new_tenant
 from .setup import Setup
-from .shell import SPAWN_THREADS
-from .usage import dispatch as dispatch_usage
-from .usage import new_tenant
+from .shells import ptyprocs, spawner, streaming
+from .shells.shell import SPAWN_THREADS
+from .state import ops as state_ops
 
 #: Idle slots whose shells are started before their first call, in the order the host
 #: hands fresh slots out (lowest index first), so that a first command finds a ready
@@ -62,7 +65,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.next_fresh = 0  # slots below this index had a shell started or a call
         self.spare_starting = False  # a spare's shell is starting (one at a time)
         self.slot_disk_mb = None
-        self.volumes = []  # the profile's (source, target, read_only) (agent/volumes.py)
+        self.volumes = []  # the profile's (source, target, read_only) (agent/fs/volumes.py)
         self.filesystem = "workspace-only"
         self.template_dir = None  # the slots' template layers' tmpfs (see setup, rootfs)
         self.shared_template = None  # the slots' shared template layer (rootplan.SharedTemplate)
@@ -72,8 +75,8 @@ class Agent(Setup, Calls, DiskWatch):
         self.notices = []  # heap of (when to notice, seq, id(msg))
         self.notice_seq = itertools.count()
         self.notice_timer = None
-        self.spawner = None  # the process that starts layered-root shells (agent/spawner.py)
-        self.thread_starter = None  # ... or the agent's own threads do (agent/threadstart.py)
+        self.spawner = None  # the process that starts layered-root shells (agent/shells/spawner.py)
+        self.thread_starter = None  # ... or the agent's own threads do (agent/shells/threadstart.py)
         self.thread_start_note = None  # how layered-root shells start, once one did
         self.shells_starting = 0  # shells between their start and ready (or failure)
         self.cpu_quiet = quiet.CpuQuiet(self._starts_wait)  # background work waits for it
@@ -133,15 +136,15 @@ class Agent(Setup, Calls, DiskWatch):
         elif op == "ping":
             pass  # the owner is alive (noted by _InProtocol for the heartbeat)
         elif op == "process":
-            ptyprocs.dispatch(self, msg)  # a slot's processes (agent/ptyprocs.py)
+            ptyprocs.dispatch(self, msg)  # a slot's processes (agent/shells/ptyprocs.py)
         elif op == "checksum":
-            dispatch_checksum(self, msg)  # a file's SHA-256, in a worker thread (agent/filesums.py)
+            dispatch_checksum(self, msg)  # a file's SHA-256, in a worker thread (agent/files/filesums.py)
         elif op == "usage":
-            dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/usage.py)
+            dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/limits/usage.py)
         elif op == "ack":
-            streaming.on_ack(self, msg)  # the host got streamed output (agent/streaming.py)
-        elif op in snapshots.OPS:
-            snapshots.dispatch(self, msg)
+            streaming.on_ack(self, msg)  # the host got streamed output (agent/shells/streaming.py)
+        elif op in state_ops.OPS:
+            state_ops.dispatch(self, msg)  # snapshots, forks, transfers (agent/state/ops.py)
         else:
             self.send({"id": mid, "ok": False, "error": "unknown op %r; known: %s"
                        % (op, ", ".join(protocol.OPS))})
@@ -263,7 +266,7 @@ class Agent(Setup, Calls, DiskWatch):
                 root.point_current()
                 trash = root.retire(old) if old is not None else None
                 if trash is not None and self.layer_spares is not None:
-                    self.layer_spares.keep(trash)  # or deleted (agent/layerspares.py)
+                    self.layer_spares.keep(trash)  # or deleted (agent/fs/layerspares.py)
                 elif trash is not None:
                     trees.remove_tree(trash)
             except Exception as exc:  # noqa: BLE001 - the next ensure() builds a layer itself
@@ -387,7 +390,7 @@ class Agent(Setup, Calls, DiskWatch):
                     slot.root.teardown()
                 except OSError as exc:
                     sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
-        if self.layer_disks is not None:  # the layers' file systems (agent/slotdisk.py)
+        if self.layer_disks is not None:  # the layers' file systems (agent/fs/slotdisk.py)
             await self.loop.run_in_executor(None, self.layer_disks.close)
         if self.template_dir:
             try:

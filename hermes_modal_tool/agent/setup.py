@@ -8,22 +8,9 @@ import resource
 import sys
 
 from .. import protocol
-from . import (
-    caps,
-    cgroups,
-    gpu,
-    isolation,
-    layerspares,
-    rootfs,
-    rootplan,
-    rootprobe,
-    shmwatch,
-    slotdisk,
-    slottmpfs,
-    trees,
-    volumes,
-)
+from .fs import layerspares, rootfs, rootplan, rootprobe, slotdisk, slottmpfs, trees, volumes
 from .heartbeat import Heartbeat
+from .limits import caps, cgroups, gpu, isolation, shmwatch
 from .slot import SlotRuntime
 
 

@@ -9,8 +9,11 @@ import os
 import resource
 import threading
 
-from . import diskwatch, files, isolation, mounts, rootfs, snapshots, volumes, wipes
-from .shell import Shell
+from .files import files
+from .fs import mounts, rootfs, volumes, wipes
+from .limits import diskwatch, isolation
+from .shells.shell import Shell
+from .state import snapshots
 
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
@@ -35,7 +38,7 @@ class SlotRuntime:
         self.dirty = False  # a call ran since the last reset
         self.rlimits = []  # the slot's own (on top of the sandbox's)
         self.start_dir = self.ws_path
-        self.replay = self.replay_text = None  # shell state from a snapshot (agent/snapshots.py)
+        self.replay = self.replay_text = None  # shell state from a snapshot (agent/state/snapshots.py)
         if agent.filesystem == "overlay":
             self.root = rootfs.SlotRoot(
                 os.path.join(agent.state_dir, "fs", "slot_%d" % index),

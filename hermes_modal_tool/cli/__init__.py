@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
+from .._version import __version__
 from ..mcp_server import mcp_command
 from ..protocol import TOOL_ARGS
 from ._batch_file import parse_batch

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ..agent import cgroupv2
+from ..agent.limits import cgroupv2
 
 log = logging.getLogger("hermes_modal_tool")
 

@@ -7,17 +7,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import protocol
 from ..config import SandboxConfig
 from . import _modal_sdk
 from .base import SandboxHandle
 
-if TYPE_CHECKING:
-    from .modal import ModalDriver
-
 log = logging.getLogger("hermes_modal_tool")
+
+
+class _Driver(Protocol):
+    """What a handle needs of its :class:`~.modal.ModalDriver` (named here, so this module
+    does not import the driver back): the sandboxes it started and has not yet ended, by
+    Modal object id (read at each use: the driver swaps the dict when it closes)."""
+
+    _live: dict[str, Any]
 
 _DEATH_TEXT = {
     "timeout": "Modal ended the sandbox at its timeout (max_lifetime {max_lifetime:g} s)",
@@ -37,7 +42,7 @@ _DEATH_TEXT = {
 class ModalHandle(SandboxHandle):
     """A running Modal sandbox: the agent's exec stdio as a byte channel."""
 
-    def __init__(self, driver: ModalDriver, config: SandboxConfig, sandbox_id: str,
+    def __init__(self, driver: _Driver, config: SandboxConfig, sandbox_id: str,
                  sandbox: Any, process: Any, pipe: _modal_sdk.StdinPipe) -> None:
         self.sandbox_id = sandbox_id
         self.modal_id = sandbox.object_id

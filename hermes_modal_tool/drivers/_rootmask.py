@@ -13,7 +13,7 @@ import os
 import stat
 import threading
 
-from ..agent.rootplan import under_empty_dir
+from ..agent.fs.rootplan import under_empty_dir
 
 log = logging.getLogger("hermes_modal_tool")
 

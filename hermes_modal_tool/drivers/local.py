@@ -203,7 +203,7 @@ async def _rmtree(path: Path) -> None:
     deep, past ``shutil``'s recursion limit and past a process's open-file limit; this one
     needs neither, never enters a mount point and is linear in what it removes.
     """
-    from ..agent.trees import remove_tree
+    from ..agent.fs.trees import remove_tree
 
     try:
         await asyncio.to_thread(remove_tree, str(path))

@@ -36,7 +36,7 @@ import tarfile
 from collections.abc import Callable
 from typing import Any
 
-from ..agent.beneath import Tree, open_node, set_meta
+from ..agent.fs.beneath import Tree, open_node, set_meta
 from ..errors import ImageError
 from .limits import Budget, ImageLimits
 from .sources import ImageSource, Layer, _Hashing

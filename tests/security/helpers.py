@@ -131,7 +131,7 @@ def none_alive(pids) -> bool:
 def killed(pids) -> bool:
     """Whether every one of ``pids`` is gone, a zombie, exiting or has SIGKILL pending:
     in none of these does a process run its own code again (a release answers once its
-    tenant's processes are sent SIGKILL: agent/shellprocs.py ``stop``)."""
+    tenant's processes are sent SIGKILL: agent/shells/shellprocs.py ``stop``)."""
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()

@@ -1,7 +1,7 @@
 """Attacks on ``slot_disk`` (issue 35, class 5): the limit holds by the kernel, not a watch.
 
 Each slot's writable layer is a file system of its own of ``slot_disk`` MiB and a fixed
-inode count (agent/slotdisk.py). The verdicts are taken on the host's side of the slot:
+inode count (agent/fs/slotdisk.py). The verdicts are taken on the host's side of the slot:
 the layer's own file system, seen through the agent's mount namespace
 (``/proc/AGENT/root``), and its usage as the kernel counts it (``statvfs``: files deleted
 but still open count too). Each attack has a positive control beside it (a write below

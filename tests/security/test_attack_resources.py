@@ -59,7 +59,7 @@ async def test_memory_bomb_hits_the_slot_memory_limit(make_backend):
 
 
 def kernel_disk(backend) -> bool:
-    """Whether the kernel enforces ``slot_disk`` (agent/slotdisk.py) rather than a watch."""
+    """Whether the kernel enforces ``slot_disk`` (agent/fs/slotdisk.py) rather than a watch."""
     disk = backend.get_status()["pools"][backend.default_profile]["caps"]["disk"]
     return disk["enforced"].startswith("kernel")
 

@@ -40,7 +40,7 @@ async def neighbour(backend, slot) -> str:
 async def test_a_slot_cannot_name_a_neighbours_shell_as_its_own_process(mode_backend, attack):
     """The attacker makes its shell (or its process's helper) report the victim's shell's
     pid as its background job's; at its release the agent (root) killed that session
-    on the Modal driver without bwrap. Pids come from the kernel now (agent/owned.py)."""
+    on the Modal driver without bwrap. Pids come from the kernel now (agent/shells/owned.py)."""
     backend = await mode_backend(**{**SMALL, "max_sandboxes": 1})
     victim, attacker = await backend.acquire("victim"), await backend.acquire("attacker")
     assert victim.sandbox_id == attacker.sandbox_id

@@ -122,7 +122,7 @@ async def test_names_that_are_not_utf8_come_back_printable(mode_backend):
 def agent_pids() -> list[int]:
     """This test's agents: agent processes among this process's descendants (on Modal
     the local control plane's container, a bwrap, is the agent's parent), not bwrap and
-    not an agent's spawner (a fork of the agent: agent/spawner.py)."""
+    not an agent's spawner (a fork of the agent: agent/shells/spawner.py)."""
     procs = processes()
     children: dict[int, list[int]] = {}
     for p in procs.values():
@@ -203,7 +203,7 @@ async def test_deep_and_wide_trees_are_removed_by_the_host_and_the_agent(tmp_pat
     import asyncio
     import tempfile
 
-    from hermes_modal_tool.agent.trees import remove_tree
+    from hermes_modal_tool.agent.fs.trees import remove_tree
 
     base = Path(tempfile.mkdtemp(prefix="hmt-trees-", dir="/dev/shm")) if os.access(
         "/dev/shm", os.W_OK) else tmp_path
@@ -218,7 +218,7 @@ async def removed_without_recursion(base: Path) -> None:
     import asyncio
     import resource
 
-    from hermes_modal_tool.agent.trees import remove_tree
+    from hermes_modal_tool.agent.fs.trees import remove_tree
     from hermes_modal_tool.drivers.local import LocalDriver
 
     deep, wide = base / "deep", base / "wide"

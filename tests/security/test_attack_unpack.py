@@ -84,7 +84,7 @@ def attack_layers(case: str, host: dict[str, Path]) -> tuple[list, list]:
 def resolver(request, monkeypatch):
     """Parents resolved by ``openat2`` or by the walk used where the kernel has none."""
     if request.param == "walk":
-        from hermes_modal_tool.agent import beneath
+        from hermes_modal_tool.agent.fs import beneath
 
         monkeypatch.setattr(beneath, "_openat2_missing", [True])
     return request.param

@@ -7,8 +7,9 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from grpclib import GRPCError, Status
 from modal_proto import api_pb2
@@ -16,8 +17,16 @@ from modal_proto import api_pb2
 from ._common import _BATCH, _set_pdeathsig
 from ._records import SandboxRecord
 
-if TYPE_CHECKING:
-    from .server import LocalModalServer
+
+class _Server(Protocol):
+    """What sandboxes and their processes need of :class:`~.server.LocalModalServer` (named
+    here, so this module does not import the server back)."""
+
+    isolation: str
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]: ...
+
+    async def _finish(self, sb: _Sandbox, reason: str, message: str, exit_code: int = 137) -> None: ...
 
 
 class _Log:
@@ -67,7 +76,7 @@ class _Process:
         self._proc: asyncio.subprocess.Process | None = None
         self._stdin_lock = asyncio.Lock()
 
-    async def start(self, server: LocalModalServer, argv: list[str], env: dict[str, str],
+    async def start(self, server: _Server, argv: list[str], env: dict[str, str],
                     cwd: str | None, timeout_s: float | None) -> None:
         self._proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE,
@@ -151,7 +160,7 @@ class _Process:
 class _Sandbox:
     """The live state behind one :class:`SandboxRecord`."""
 
-    def __init__(self, server: LocalModalServer, record: SandboxRecord, env: dict[str, str]) -> None:
+    def __init__(self, server: _Server, record: SandboxRecord, env: dict[str, str]) -> None:
         self.server = server
         self.record = record
         self.env = env

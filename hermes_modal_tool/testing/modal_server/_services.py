@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpclib.const
 import grpclib.server
 from modal._utils.grpc_testing import patch_mock_servicer
 from modal_proto import api_grpc, task_command_router_grpc
 
-if TYPE_CHECKING:
-    from .server import LocalModalServer
+
+class _Server(Protocol):
+    """What the services need of :class:`~.server.LocalModalServer` (named here, so this
+    module does not import the server back); handlers reach its methods by name."""
+
+    def _instrument(self, mapping: dict[str, grpclib.const.Handler], *,
+                    control_plane: bool) -> dict[str, grpclib.const.Handler]: ...
 
 
 class _CountingStream:
@@ -66,7 +71,7 @@ def _streaming(impl: str) -> Callable[[Any, grpclib.server.Stream], Awaitable[No
 class _ControlPlane(api_grpc.ModalClientBase):
     """Modal's client API; methods not listed here answer UNIMPLEMENTED."""
 
-    def __init__(self, server: LocalModalServer) -> None:
+    def __init__(self, server: _Server) -> None:
         self.server = server
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
@@ -109,7 +114,7 @@ class _ControlPlane(api_grpc.ModalClientBase):
 class _CommandRouter(task_command_router_grpc.TaskCommandRouterBase):
     """The task command router of every sandbox (bearer JWT per task)."""
 
-    def __init__(self, server: LocalModalServer) -> None:
+    def __init__(self, server: _Server) -> None:
         self.server = server
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:

@@ -16,7 +16,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from ...agent import mounts
+from ...agent.fs import mounts
 
 #: The mount source of every sandbox's ``/dev/shm`` tmpfs (as shown in ``/proc/*/mountinfo``).
 SOURCE = "modal-local-shm"

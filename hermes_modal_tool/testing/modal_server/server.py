@@ -233,7 +233,7 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
             if self._own_state and self.state_dir is not None:
                 # A sandbox's files may hold a tree 100,000 levels deep (past shutil's
                 # recursion limit even with ignore_errors): the agent's iterative remover.
-                from ...agent.trees import remove_tree
+                from ...agent.fs.trees import remove_tree
 
                 await asyncio.to_thread(remove_tree, str(self.state_dir))
 

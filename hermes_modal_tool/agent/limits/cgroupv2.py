@@ -30,7 +30,7 @@ delegated scope.
 import errno
 import os
 
-from .mounts import write_control
+from ..fs.mounts import write_control
 
 #: Controllers a slot's limits need; ``cpu`` (its share and cap) is used when delegated.
 REQUIRED = ("memory", "pids")

@@ -41,7 +41,8 @@ import subprocess
 import sys
 import threading
 
-from . import cgroups, mounts, scopes
+from ..fs import mounts
+from ..limits import cgroups, scopes
 
 #: ``(setgroups, setresgid, setresuid)`` syscall numbers by machine.
 _SYS_IDS = {"x86_64": (116, 119, 117), "aarch64": (159, 149, 147)}

@@ -33,10 +33,9 @@ state looks like its own files, owned by its root.
 
 import re
 
-from . import diskwatch, slotdisk
+from ..fs import slotdisk
+from ..limits import diskwatch
 
-#: Messages handled here.
-OPS = ("snapshot", "fork", "release_snapshot", "snapshots", "export_snapshot", "import_snapshot")
 #: Largest shell state a snapshot keeps (exported variables, functions, aliases), bytes.
 STATE_LIMIT = 4 * 1024 * 1024
 #: What the slot's shell prints to describe its state (replayable bash); the agent's own
@@ -144,37 +143,6 @@ def store(agent):
     if st is None:
         st = agent.snapshot_store = SnapshotStore(agent)
     return st
-
-
-def dispatch(agent, msg):
-    """Serve one of :data:`OPS` (answered with ``{"id", "ok", "result"|"error"}``)."""
-    agent.own(_serve(agent, msg))
-
-
-async def _serve(agent, msg):
-    op = msg.get("op")
-    mid = msg.get("id")
-    try:
-        if op == "snapshot":
-            result = await snapshot(agent, msg)
-        elif op == "fork":
-            result = await fork(agent, msg)
-        elif op == "release_snapshot":
-            result = {"freed": store(agent).release(store(agent).get(msg.get("snapshot")))}
-        elif op == "snapshots":
-            st = store(agent)
-            result = {"snapshots": [f.describe() for f in st.frozen.values()],
-                      "total_bytes": st.total_bytes()}
-        else:
-            from . import transfer
-
-            result = await transfer.serve(agent, msg)
-    except SnapshotError as exc:
-        agent.send({"id": mid, "ok": False, "error": str(exc)})
-    except Exception as exc:  # noqa: BLE001 - reported, the agent goes on
-        agent.send({"id": mid, "ok": False, "error": "%s failed: %s: %s" % (op, type(exc).__name__, exc)})
-    else:
-        agent.send({"id": mid, "ok": True, "result": result})
 
 
 def _slot(agent, msg):

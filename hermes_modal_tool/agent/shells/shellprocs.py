@@ -17,7 +17,8 @@ import signal
 import subprocess
 import time
 
-from . import isolation, owned
+from ..limits import isolation
+from . import owned
 from .output import OutputCollector
 from .procs import slot_level, tree_usage
 

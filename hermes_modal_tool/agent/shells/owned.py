@@ -123,7 +123,7 @@ def state_of(pid):
 def new_children(slot, parent, clock):
     """Host pids of ``parent``'s children that began after ``clock``
     (:func:`.isolation.process_clock`) and belong to ``slot``."""
-    from .isolation import started_after
+    from ..limits.isolation import started_after
 
     out = []
     for child in read_proc("/proc/%d/task/%d/children" % (parent, parent)).split():

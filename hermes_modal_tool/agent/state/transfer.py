@@ -28,8 +28,8 @@ import os
 import stat
 import threading
 
-from . import beneath, trees
-from .rootfs import _Layer
+from ..fs import beneath, trees
+from ..fs.rootfs import _Layer
 from .snapshots import SnapshotError, store
 
 #: Largest chunk of a stream per request (bytes, before base64).

@@ -26,8 +26,10 @@ import os
 import subprocess
 import threading
 
-from .. import protocol
-from . import isolation, mounts, rootplan, threadstart, volumes
+from ... import protocol
+from ..fs import mounts, rootplan, volumes
+from ..limits import isolation
+from . import threadstart
 from .output import OutputCollector
 from .shellprocs import FRAME, new_nonce, start_timeout
 from .spawner import FIRST_PASS_FD
@@ -340,7 +342,7 @@ class ShellStart:
         ctl = shell_quote(self.slot.ctl_path)
         self.slot.write_ctl("cmd", RUNNER.replace("@CTL@", ctl).encode())
         start = TRAP + INIT_LINES + LOAD_RUNNER.replace("@CTL@", ctl)
-        if self.slot.replay:  # a snapshot's shell state (agent/snapshots.py)
+        if self.slot.replay:  # a snapshot's shell state (agent/state/snapshots.py)
             start += ". %s 2>/dev/null\n" % shell_quote(self.slot.replay)
         if self.resume_dir:
             start += "cd %s 2>/dev/null\n" % shell_quote(self.resume_dir)

@@ -46,7 +46,8 @@ import subprocess
 import threading
 import time
 
-from . import isolation, mounts, scopes
+from ..fs import mounts
+from ..limits import isolation, scopes
 
 #: ``clone(2)`` by machine (its first argument is the flags on both).
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220}

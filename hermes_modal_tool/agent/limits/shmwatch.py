@@ -29,7 +29,8 @@ import stat
 import struct
 import sys
 
-from . import isolation, mounts, sysvipc, trees
+from ..fs import mounts, trees
+from . import isolation, sysvipc
 from .diskwatch import DISK_WATCH_S, SHARED_PLACES
 
 TMPFS_MAGIC = 0x01021994

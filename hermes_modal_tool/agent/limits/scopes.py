@@ -34,7 +34,7 @@ _SCOPE = []  # [(ruleset fd or None, what status says)], made once per agent pro
 
 
 def _libc():
-    from .mounts import libc
+    from ..fs.mounts import libc
 
     return libc()
 

@@ -322,7 +322,7 @@ class SlotRoot:
             trees.remove_tree(layer.dir)  # nothing is mounted on it (_mount unmounted it)
             raise
 
-    # -- snapshots (see agent/snapshots.py) ------------------------------------------
+    # -- snapshots (see agent/state/snapshots.py) ------------------------------------------
     def build_on(self, chain, ws_from=None):
         """A new, empty writable layer stacked on frozen layers (not yet in use).
 

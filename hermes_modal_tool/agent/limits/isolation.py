@@ -159,7 +159,8 @@ def purge_uid(uid, shared_dirs):
     own, a segment would keep its memory, and its data for the uid's next tenant).
     Blocking: call it from a worker thread.
     """
-    from . import sysvipc, trees
+    from ..fs import trees
+    from . import sysvipc
 
     for _ in range(2):
         pid = os.fork()

@@ -17,7 +17,7 @@ import errno
 import os
 import stat
 
-from .trees import empty_dir
+from ..fs.trees import empty_dir
 
 MAX_READ_BYTES = 64 * 1024 * 1024
 READ_CHUNK = 1024 * 1024

@@ -27,7 +27,7 @@ import os
 import socket
 import struct
 
-from .. import protocol
+from ... import protocol
 from . import owned, ptyhelper
 
 #: Output bytes kept per process at most (older output is dropped and counted); less

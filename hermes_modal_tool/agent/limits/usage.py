@@ -19,7 +19,7 @@ and what :mod:`.diskwatch` saw while commands ran.
 import os
 import stat
 
-from .trees import walk_path
+from ..fs.trees import walk_path
 
 
 class TenantUsage:

@@ -32,7 +32,7 @@ Starting: :mod:`.shellstart`. Timeouts and stopping: :mod:`.shellprocs`.
 import os
 import time
 
-from . import isolation
+from ..limits import isolation
 from .output import OutputCollector, marker  # noqa: F401 - marker: re-exported for callers
 from .shellprocs import FRAME, ShellProcesses, frame, new_nonce
 from .shellstart import SPAWN_THREADS, ShellStart, protocol_result, shell_quote  # noqa: F401

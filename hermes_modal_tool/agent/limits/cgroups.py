@@ -16,9 +16,9 @@ import errno
 import os
 import signal
 
+from ..fs.mounts import write_control
 from . import cgroupv2
 from .isolation import _kill
-from .mounts import write_control
 
 
 class Cgroups:
@@ -30,7 +30,7 @@ class Cgroups:
     """
 
     CONTROLLERS = ("memory", "pids", "cpu")
-    #: v1 controllers used where mounted (for the usage ledger: ``agent/usage.py``);
+    #: v1 controllers used where mounted (for the usage ledger: ``agent/limits/usage.py``);
     #: one mounted together with a required one (``cpu,cpuacct``) shares its directory.
     OPTIONAL = ("cpuacct",)
 

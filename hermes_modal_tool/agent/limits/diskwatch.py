@@ -13,8 +13,8 @@ against its memory share too, with or without ``slot_disk`` (:mod:`.shmwatch`).
 import asyncio
 import stat
 
+from ..fs.trees import walk_path
 from . import usage
-from .trees import walk_path
 
 #: Where a slot without bubblewrap can write besides its workspace (shared by all slots).
 SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm")
