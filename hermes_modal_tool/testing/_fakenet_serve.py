@@ -77,11 +77,15 @@ class _Source(socketserver.StreamRequestHandler):
             left = int(line)
         except ValueError:
             return
-        chunk = bytes(1 << 20)
-        while left > 0:
-            n = min(left, len(chunk))
-            self.request.sendall(chunk[:n] if n < len(chunk) else chunk)
-            left -= n
+        # sendfile from a file of zeros: the kernel copies, so the source outruns the
+        # egress paths it measures (a Python send loop capped them all alike).
+        with open(self.server.zeros, "rb") as zeros:  # type: ignore[attr-defined]
+            size = os.fstat(zeros.fileno()).st_size
+            while left > 0:
+                sent = os.sendfile(self.request.fileno(), zeros.fileno(), 0, min(left, size))
+                if sent <= 0:
+                    return
+                left -= sent
 
 
 class _TCP(socketserver.ThreadingTCPServer):
@@ -128,6 +132,7 @@ def main(config_path: str) -> None:
         _TCP(("0.0.0.0", 7), _Echo),
         _TCP(("0.0.0.0", 19), _Source),
     ]
+    servers[1].zeros = config["zeros"]  # type: ignore[attr-defined]
     web = functools.partial(_Web, directory=config["index"])
     servers.append(_HTTP(("0.0.0.0", 80), web))
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
