@@ -10,6 +10,9 @@ the same run. Candidates:
   namespace forwarding with an nftables masquerade (one ``ip -batch`` per side);
 - ``slirp4netns``: the slot's namespace gets a tap served by slirp4netns (user-mode TCP/IP
   in the agent's namespace), ``--ready-fd`` for readiness;
+- ``veth-policy``: the same with the nftables filter a slot's policy compiles to (a set
+  of allowed addresses, everything else rejected with a TCP reset); ``refused_us`` is
+  how long a refused ``connect`` takes to fail;
 - ``pasta``: passt's ``pasta --config-net -- CMD`` makes the namespace and runs the
   command in it (Debian bookworm's 2023-03 build attaches to no existing namespace here:
   as root it drops to ``nobody`` first and cannot open one; and ``/dev/net/tun`` is
@@ -20,9 +23,13 @@ Figures per path (each the median of ``--rounds`` runs):
 - ``connect_us``: one TCP connect, a 1-byte echo and close, to the echo service (median
   of ``--connects`` in a row, in one process);
 - ``MBps``: one connection downloading ``--mb`` MiB from the byte source;
-- ``first_ms``: wall time from nothing to a finished ``curl`` of the fake web server in
-  a new process: for the host, the process alone; for a path, making the namespace and
-  wiring its egress too. ``added_ms`` is the difference: what a slot start gains.
+- ``setup_ms``: making the slot's namespace and wiring its egress (here with ``unshare``,
+  ``ip -batch`` and ``nft`` processes; the agent would use netlink and do it once per
+  slot, not per command); pasta's is inside its ``first_ms``, as it makes the
+  namespace when it starts the command;
+- ``first_ms``: a finished ``curl`` of the fake web server in a new process in the
+  ready namespace; ``1st +ms`` is the difference to the host's: what a first command
+  pays.
 
 Needs root, ``slirp4netns`` and ``passt`` (Debian packages; scripts/setup.sh installs
 them). Usage::
@@ -67,10 +74,20 @@ while True:
     got += k
 secs = time.perf_counter() - t
 assert got == size, got
-print(json.dumps({"connect_us": lat[len(lat) // 2] * 1e6, "MBps": size / secs / 1e6}))
+refused_us = None
+if sys.argv[3:]:  # a destination the policy refuses: how fast does connect fail?
+    t = time.perf_counter()
+    try:
+        socket.create_connection((sys.argv[3], 7), timeout=5).close()
+        raise SystemExit("connected to " + sys.argv[3] + ": not refused")
+    except ConnectionRefusedError:
+        refused_us = (time.perf_counter() - t) * 1e6
+print(json.dumps({"connect_us": lat[len(lat) // 2] * 1e6, "MBps": size / secs / 1e6,
+                  "refused_us": refused_us}))
 """.replace("WWW", fn.WWW)
 CURL = ["curl", "-sS", "-o", "/dev/null", "--max-time", "5", f"http://{fn.WWW}/"]
 QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+POLICED = "hmtp0"  # the veth-policy path's interface: filtered by nftables in the agent's namespace
 SLOT_NET = "10.200.0"  # the veth path's slot side (/30 per slot; one slot at a time here)
 
 
@@ -92,13 +109,19 @@ class Paths:
     def host(self) -> Iterator[list[str]]:
         yield self.enter_agent
 
+    def veth_nat(self) -> contextlib.AbstractContextManager[list[str]]:
+        return self._veth("hmtv0")
+
+    def veth_policy(self) -> contextlib.AbstractContextManager[list[str]]:
+        return self._veth(POLICED)
+
     @contextlib.contextmanager
-    def veth_nat(self) -> Iterator[list[str]]:
+    def _veth(self, name: str) -> Iterator[list[str]]:
         slot = subprocess.Popen(["unshare", "--net", "--", "cat"], stdin=subprocess.PIPE, **QUIET)
         try:
             _check([*self.enter_agent, "ip", "-batch", "-"], input=(
-                f"link add name hmtv0 mtu 65520 type veth peer name eth0 mtu 65520 netns {slot.pid}\n"
-                f"addr add {SLOT_NET}.1/30 dev hmtv0\nlink set hmtv0 up\n"))
+                f"link add name {name} mtu 65520 type veth peer name eth0 mtu 65520 netns {slot.pid}\n"
+                f"addr add {SLOT_NET}.1/30 dev {name}\nlink set {name} up\n"))
             _check(["nsenter", f"--net=/proc/{slot.pid}/ns/net", "--", "ip", "-batch", "-"], input=(
                 f"link set lo up\naddr add {SLOT_NET}.2/30 dev eth0\nlink set eth0 up\n"
                 f"route add default via {SLOT_NET}.1\n"))
@@ -136,17 +159,31 @@ def nat_in_agent(agent: fn.NetNs) -> None:
     _check([*Paths(agent).enter_agent, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
     _check([*Paths(agent).enter_agent, "nft", "-f", "-"], input=(
         "table ip hmt_bench {\n chain post {\n  type nat hook postrouting priority 100;\n"
-        f'  oifname "{agent.ifname}" masquerade\n }}\n}}\n'))
+        f'  oifname "{agent.ifname}" masquerade\n }}\n}}\n'
+        # What a slot's policy compiles to: a set of allowed addresses (the resolver adds
+        # what allowed names resolve to), everything else refused at once and counted.
+        "table inet hmt_bench_filter {\n"
+        f" set allow4 {{\n  type ipv4_addr\n  flags interval\n  elements = {{ {fn.WWW} }}\n }}\n"
+        " chain slots {\n  type filter hook forward priority 0; policy accept;\n"
+        f'  iifname "{POLICED}" ct state established,related accept\n'
+        f'  iifname "{POLICED}" ip daddr @allow4 counter accept\n'
+        f'  iifname "{POLICED}" meta l4proto tcp counter reject with tcp reset\n'
+        f'  iifname "{POLICED}" counter reject with icmpx admin-prohibited\n'
+        " }\n}\n"))
 
 
 def one_round(path: Callable[[], contextlib.AbstractContextManager[list[str]]],
               args: argparse.Namespace) -> dict[str, float]:
-    t = time.perf_counter()
+    t0 = time.perf_counter()
     with path() as prefix:
+        t1 = time.perf_counter()
         _check([*prefix, *CURL])
-        first = (time.perf_counter() - t) * 1000
-        out = _check([*prefix, sys.executable, "-c", CLIENT, str(args.connects), str(args.mb << 20)])
-    return {**json.loads(out.strip().splitlines()[-1]), "first_ms": first}
+        t2 = time.perf_counter()
+        refuse = [fn.OTHER] if path.__name__ == "veth_policy" else []
+        out = _check([*prefix, sys.executable, "-c", CLIENT, str(args.connects), str(args.mb << 20),
+                      *refuse])
+    figures = json.loads(out.strip().splitlines()[-1])
+    return {**figures, "setup_ms": (t1 - t0) * 1000, "first_ms": (t2 - t1) * 1000}
 
 
 def main() -> None:
@@ -154,7 +191,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--connects", type=int, default=300)
     parser.add_argument("--mb", type=int, default=256)
-    parser.add_argument("--only", nargs="*", default=["veth-nat", "slirp4netns", "pasta"])
+    parser.add_argument("--only", nargs="*", default=["veth-nat", "veth-policy", "slirp4netns", "pasta"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
@@ -164,27 +201,29 @@ def main() -> None:
             agent = net.netns(default_route=True, standins=False)
             nat_in_agent(agent)
             paths = Paths(agent)
-            table = {"host": paths.host, "veth-nat": paths.veth_nat, "slirp4netns": paths.slirp4netns,
-                     "pasta": paths.pasta}
+            table = {"host": paths.host, "veth-nat": paths.veth_nat, "veth-policy": paths.veth_policy,
+                     "slirp4netns": paths.slirp4netns, "pasta": paths.pasta}
             names = ["host", *args.only]
             one_round(paths.host, args)  # warm-up: page cache, the server's threads
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
             for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits all
                 for name in names:
                     runs[name].append(one_round(table[name], args))
-            results = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
-                       for name, rs in runs.items()}
+            results = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]
+                              if rs[0][key] is not None} for name, rs in runs.items()}
         finally:
             net.stop()
     host = results["host"]
     print(f"{'path':<12} {'connect us':>10} {'x host':>7} {'MB/s':>8} {'x host':>7} "
-          f"{'first ms':>9} {'added ms':>9}")
+          f"{'setup ms':>9} {'first ms':>9} {'1st +ms':>8} {'refused us':>10}")
     for name, r in results.items():
         r["connect_ratio"] = r["connect_us"] / host["connect_us"]
         r["MBps_ratio"] = r["MBps"] / host["MBps"]
-        r["added_ms"] = r["first_ms"] - host["first_ms"]
+        r["first_added_ms"] = r["first_ms"] - host["first_ms"]
+        refused = f"{r['refused_us']:>10.0f}" if "refused_us" in r else f"{'':>10}"
         print(f"{name:<12} {r['connect_us']:>10.0f} {r['connect_ratio']:>7.2f} {r['MBps']:>8.0f} "
-              f"{r['MBps_ratio']:>7.2f} {r['first_ms']:>9.1f} {r['added_ms']:>9.1f}")
+              f"{r['MBps_ratio']:>7.2f} {r['setup_ms']:>9.1f} {r['first_ms']:>9.1f} "
+              f"{r['first_added_ms']:>8.1f} {refused}")
     print(f"(median of {args.rounds} rounds; {args.connects} connects and {args.mb} MiB per round; "
           f"{os.cpu_count()} CPUs)")
     if args.json:
