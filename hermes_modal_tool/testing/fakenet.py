@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,6 +246,12 @@ class FakeInternet:
         for dest in routes:
             _run("ip", "route", "add", dest, "via", GATEWAY, "dev", theirs, netns=netns)
         self.check_routes(netns, allow_default=default_route, only=None if own else theirs, dev=theirs)
+        # Carrier comes up asynchronously: a connect before it can fail at once.
+        deadline = time.monotonic() + 5
+        while json.loads(_run("ip", "-j", "link", "show", theirs, netns=netns))[0].get("operstate") != "UP":
+            if time.monotonic() > deadline:
+                raise FakenetError(f"{theirs} in {netns} did not come up within 5 s")
+            time.sleep(0.01)
         return address
 
     def netns(self, *, default_route: bool = False, standins: bool = True) -> NetNs:

@@ -41,10 +41,15 @@ class DnsResolver:
             (see :attr:`address` after :meth:`start`).
         timeout: seconds to wait for the upstream's reply.
         workers: queries answered at once.
+        on_learn: called as ``on_learn(name, addresses, ttl)`` in the worker thread
+            after the policy learned addresses, before the reply goes to the slot (so
+            the slot's connection finds the enforcement point updated; see
+            :func:`.nftrules.learn_command`).
     """
 
-    def __init__(self, policy, upstream, bind=("127.0.0.1", 0), timeout=2.0, workers=8):
+    def __init__(self, policy, upstream, bind=("127.0.0.1", 0), timeout=2.0, workers=8, on_learn=None):
         self.policy = policy
+        self.on_learn = on_learn
         self.upstream = (str(upstream[0]), int(upstream[1]))
         self.timeout = timeout
         self._bind = bind
@@ -80,6 +85,8 @@ class DnsResolver:
             self.forwarded += 1
         if addresses:
             self.policy.learn(question.name, addresses, ttl)
+            if self.on_learn is not None:
+                self.on_learn(question.name, addresses, ttl)
         return reply
 
     def _ask_upstream(self, query, tcp):
