@@ -27,7 +27,11 @@ def nft(agent: fn.NetNs, script: str) -> None:
 
 
 @pytest.fixture
-def slot_egress(fakenet: fn.FakeInternet) -> Iterator[tuple[fn.NetNs, fn.NetNs, EgressPolicy, DnsResolver]]:
+def slot_egress(fakenet: fn.FakeInternet, request: pytest.FixtureRequest,
+                ) -> Iterator[tuple[fn.NetNs, fn.NetNs, EgressPolicy, DnsResolver]]:
+    """A slot namespace behind a veth pair into an agent namespace on the fake internet,
+    its rules and resolver there; its allow list is ``["*.example.test"]`` unless the
+    test passes another (``indirect`` parametrization)."""
     agent = fakenet.netns(default_route=True)  # the agent's (the host's) namespace
     slot = fn.NetNs()
     r = agent.run("ip", "-batch", "-", input=(
@@ -38,7 +42,8 @@ def slot_egress(fakenet: fn.FakeInternet) -> Iterator[tuple[fn.NetNs, fn.NetNs, 
         f"addr add {SLOT_END}/30 dev eth0\nlink set eth0 up\nroute add default via {AGENT_END}\n"))
     assert r.returncode == 0, r.stderr
     assert agent.run("sysctl", "-q", "-w", "net.ipv4.ip_forward=1").returncode == 0
-    policy = EgressPolicy(allow=["*.example.test"], host_addresses=[agent.address or ""])
+    allow = getattr(request, "param", ["*.example.test"])
+    policy = EgressPolicy(allow=allow, host_addresses=[agent.address or ""])
 
     def learned(name: str, addresses: list, ttl: int) -> None:
         nft(agent, nftrules.learn_command(1, addresses, ttl))
@@ -120,3 +125,18 @@ def test_release_removes_the_table(fakenet: fn.FakeInternet) -> None:
     assert nftrules.table_name(7) in agent.run("nft", "list", "tables").stdout
     nft(agent, nftrules.delete_table(7))
     assert nftrules.table_name(7) not in agent.run("nft", "list", "tables").stdout
+
+
+@pytest.mark.parametrize("slot_egress", [[]], indirect=True)
+def test_open_egress_still_refuses_private_and_host(slot_egress: tuple) -> None:
+    """With no allow list (open egress) a raw public address connects, and the
+    defaults still refuse the private and metadata stand-ins and the agent's address."""
+    agent, slot, policy, _ = slot_egress
+    assert policy.open
+    with agent.enter():
+        for address in (fn.PRIVATE, fn.METADATA):
+            fn.connect(address, 7).close()
+    with slot.enter():
+        fn.connect(fn.OTHER, 7).close()
+        for address in (fn.PRIVATE, fn.METADATA, agent.address):
+            assert refused(address, 7) < 0.5, address
