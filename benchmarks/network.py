@@ -119,12 +119,14 @@ class Paths:
     def _veth(self, name: str) -> Iterator[list[str]]:
         slot = subprocess.Popen(["unshare", "--net", "--", "cat"], stdin=subprocess.PIPE, **QUIET)
         try:
+            fn.wait_unshared(slot.pid)  # else the veth's end would land in this namespace
             _check([*self.enter_agent, "ip", "-batch", "-"], input=(
                 f"link add name {name} mtu 65520 type veth peer name eth0 mtu 65520 netns {slot.pid}\n"
                 f"addr add {SLOT_NET}.1/30 dev {name}\nlink set {name} up\n"))
             _check(["nsenter", f"--net=/proc/{slot.pid}/ns/net", "--", "ip", "-batch", "-"], input=(
                 f"link set lo up\naddr add {SLOT_NET}.2/30 dev eth0\nlink set eth0 up\n"
                 f"route add default via {SLOT_NET}.1\n"))
+            fn.wait_carrier(f"/proc/{slot.pid}/ns/net", "eth0")
             yield ["nsenter", f"--net=/proc/{slot.pid}/ns/net", "--"]
         finally:
             slot.kill()
@@ -133,6 +135,7 @@ class Paths:
     @contextlib.contextmanager
     def slirp4netns(self) -> Iterator[list[str]]:
         slot = subprocess.Popen(["unshare", "--net", "--", "cat"], stdin=subprocess.PIPE, **QUIET)
+        fn.wait_unshared(slot.pid)
         ready_r, ready_w = os.pipe()
         slirp = subprocess.Popen(
             [*self.enter_agent, "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",

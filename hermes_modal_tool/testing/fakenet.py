@@ -93,6 +93,7 @@ class NetNs:
         )
         self.pid = self._proc.pid
         self.path = f"/proc/{self.pid}/ns/net"
+        wait_unshared(self.pid)
         self.address = address  # its address on the fake internet, once attached
         self.ifname = ""  # its end of the veth pair, once attached
         self._tmp: str | None = None
@@ -124,12 +125,46 @@ class NetNs:
             yield
 
     def close(self) -> None:
+        """End the holder (and so the namespace); idempotent."""
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait(timeout=10)
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def wait_unshared(pid: int, timeout: float = 5) -> None:
+    """Wait until process ``pid`` is in a network namespace other than ours.
+
+    ``unshare --net CMD`` is still in our namespace for a moment after it started:
+    configuring ``/proc/<pid>/ns/net`` then would configure this one (the host's).
+
+    Raises:
+        FakenetError: it did not leave our namespace within ``timeout`` seconds.
+    """
+    ours = os.stat("/proc/self/ns/net").st_ino
+    deadline = time.monotonic() + timeout
+    while os.stat(f"/proc/{pid}/ns/net").st_ino == ours:
+        if time.monotonic() > deadline:
+            raise FakenetError(f"process {pid} did not leave this network namespace in {timeout}s")
+        time.sleep(0.002)
+
+
+def wait_carrier(netns: str, ifname: str, timeout: float = 5) -> None:
+    """Wait until ``ifname`` in the namespace at ``netns`` is up with a carrier (a
+    veth's comes up asynchronously; a connect before it fails at once).
+
+    Raises:
+        FakenetError: not up within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while json.loads(_run("ip", "-j", "link", "show", ifname, netns=netns))[0].get("operstate") != "UP":
+        if time.monotonic() > deadline:
+            raise FakenetError(f"{ifname} in {netns} did not come up within {timeout}s")
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager
@@ -246,12 +281,7 @@ class FakeInternet:
         for dest in routes:
             _run("ip", "route", "add", dest, "via", GATEWAY, "dev", theirs, netns=netns)
         self.check_routes(netns, allow_default=default_route, only=None if own else theirs, dev=theirs)
-        # Carrier comes up asynchronously: a connect before it can fail at once.
-        deadline = time.monotonic() + 5
-        while json.loads(_run("ip", "-j", "link", "show", theirs, netns=netns))[0].get("operstate") != "UP":
-            if time.monotonic() > deadline:
-                raise FakenetError(f"{theirs} in {netns} did not come up within 5 s")
-            time.sleep(0.01)
+        wait_carrier(netns, theirs)
         return address
 
     def netns(self, *, default_route: bool = False, standins: bool = True) -> NetNs:

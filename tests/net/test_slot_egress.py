@@ -41,6 +41,7 @@ def slot_egress(fakenet: fn.FakeInternet, request: pytest.FixtureRequest,
     r = slot.run("ip", "-batch", "-", input=(
         f"addr add {SLOT_END}/30 dev eth0\nlink set eth0 up\nroute add default via {AGENT_END}\n"))
     assert r.returncode == 0, r.stderr
+    fn.wait_carrier(slot.path, "eth0")
     assert agent.run("sysctl", "-q", "-w", "net.ipv4.ip_forward=1").returncode == 0
     allow = getattr(request, "param", ["*.example.test"])
     policy = EgressPolicy(allow=allow, host_addresses=[agent.address or ""])
