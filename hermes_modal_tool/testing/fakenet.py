@@ -87,9 +87,13 @@ class NetNs:
     interfaces (unless another process still lives in it).
     """
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, userns: bool = False) -> None:
+        # With ``userns``, the namespace belongs to a user namespace of its own (as a
+        # slot's does under bubblewrap): :meth:`run_as_owner` runs as root there.
+        self.userns = userns
         self._proc = subprocess.Popen(
-            ["unshare", "--net", "--", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
+            ["unshare", *(["--user", "--map-root-user"] if userns else []), "--net", "--", "cat"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
         )
         self.pid = self._proc.pid
         self.path = f"/proc/{self.pid}/ns/net"
@@ -117,6 +121,14 @@ class NetNs:
                     'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(conf)]
         cmd += argv
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload,no-any-return]
+
+    def run_as_owner(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` as root of the namespace's own user namespace (``userns=True``):
+        all capabilities over this network namespace, none over any other."""
+        if not self.userns:
+            raise FakenetError("run_as_owner needs a NetNs made with userns=True")
+        cmd = ["nsenter", "-t", str(self.pid), "-U", "-n", "--", *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
     @contextlib.contextmanager
     def enter(self) -> Iterator[None]:
