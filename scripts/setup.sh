@@ -28,8 +28,10 @@ esac
 # update once, first).
 if [ "$level" = dev ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   missing=""
+  # The network benchmark (benchmarks/network.py) compares slirp4netns and passt's pasta
+  # with a veth pair as a slot's egress path.
   for pair in skopeo:skopeo umoci:umoci busybox:busybox-static bash-static:bash-static \
-      mmdebstrap:mmdebstrap; do
+      mmdebstrap:mmdebstrap slirp4netns:slirp4netns pasta:passt; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing="$missing ${pair#*:}"
   done
   if [ -n "$missing" ]; then

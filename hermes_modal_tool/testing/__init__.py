@@ -13,4 +13,9 @@ and its sandboxes are bubblewrap containers on this machine, with fault injectio
 and RPC counters for tests and benchmarks. It needs the ``modal`` extra (``modal``,
 ``grpclib``); ``python -m hermes_modal_tool.testing.modal_server`` serves one until
 Ctrl-C.
+
+:mod:`hermes_modal_tool.testing.fakenet` is a fake internet for network tests: a
+network namespace with documentation addresses serving HTTP, HTTPS (a test CA), TCP
+echo, DNS and a package index, reached through veth pairs and routed nowhere else
+(root, ``ip``/``unshare``/``nsenter``; ``dnslib`` and ``cryptography``).
 """
