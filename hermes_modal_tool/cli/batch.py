@@ -372,7 +372,9 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
     Each line: {"id": str, "profile": str?, "meta": any?, "setup": [str]?, "fork":
     str?, "calls": [{"tool": str, "args": {...}, "expect": {"returncode": int,
     "success": bool, "timed_out": bool, "output_contains": str, "output_matches": regex,
-    "tests_ran": int}?}]}. A call without "expect" expects success; a given "expect"
+    "tests_ran": int}?}]}; a call may also be {"tool": "upload"|"download", "args":
+    {"local": path, "remote": path}} (a file or directory; local paths are relative to
+    the current directory). A call without "expect" expects success; a given "expect"
     checks its keys, and one about the output alone also expects success. "setup":
     commands run once per distinct setup (shared, snapshotted) that the trajectory
     starts after; "fork": the id of a trajectory whose state after its calls this
