@@ -9,6 +9,7 @@ from typing import Any
 from ..protocol import TOOL_ARGS, TOOLS, check_args
 from ._common import InputError
 from ._expect import check_value
+from ._transfer_steps import TRANSFER_TOOLS, check_transfer_args
 
 # Each tool's arguments (protocol.TOOL_ARGS) are checked before any sandbox starts.
 
@@ -40,12 +41,13 @@ def _check_call(call: Any, i: int) -> Call:
         raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, sorted(unknown)))}; "
                          "a call has 'tool', 'args' and optional 'expect'")
     tool = call.get("tool")
-    if tool not in TOOL_ARGS:
-        raise ValueError(f"{where}: tool {tool!r} is not one of: {', '.join(TOOLS)}")
+    if tool not in TOOL_ARGS and tool not in TRANSFER_TOOLS:
+        raise ValueError(f"{where}: tool {tool!r} is not one of: {', '.join(TOOLS + TRANSFER_TOOLS)}")
     args = call.get("args", {})
     if not isinstance(args, dict):
         raise ValueError(f"{where}: 'args' must be an object, got {type(args).__name__}")
-    problem = check_args(tool, args)  # the same check the agent makes
+    problem = (check_transfer_args(tool, args) if tool in TRANSFER_TOOLS
+               else check_args(tool, args))  # the same check the agent makes
     if problem:
         raise ValueError(f"{where}: {problem}")
     expect = call.get("expect")

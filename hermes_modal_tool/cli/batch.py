@@ -27,6 +27,7 @@ from ._batch_file import Call, Trajectory, parse_batch
 from ._common import InputError, Stopped, make_console, make_profiles, run_stoppable
 from ._expect import check_expectations, strict_problems
 from ._live_progress import LiveLines, LiveProgress
+from ._transfer_steps import run_call
 
 OUTPUT_CAP = 2000
 
@@ -203,7 +204,7 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
         record["slot_id"] = slot.slot_id
         try:
             for call in prelude or []:
-                [r] = await backend.execute_batch([(slot, call.tool, call.args)], timeout_s=timeout)
+                r = await run_call(backend, slot, call.tool, call.args, timeout)
                 if not r.success:
                     record["error"] = (f"setup failed: exit {r.returncode}: {r.error or ''}; output:\n"
                                        + cap_output(r.output))
@@ -213,8 +214,7 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
             on_output = live.watch(traj.id) if live is not None else None
             for call in traj.calls if record["error"] is None else []:
                 t0 = time.perf_counter()
-                [r] = await backend.execute_batch([(slot, call.tool, call.args)], timeout_s=timeout,
-                                                  on_output=on_output)
+                r = await run_call(backend, slot, call.tool, call.args, timeout, on_output)
                 stats.latencies.append(time.perf_counter() - t0)
                 problems = check_expectations(call.expect, r)
                 stats.failed_calls += not r.success
@@ -372,7 +372,9 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
     Each line: {"id": str, "profile": str?, "meta": any?, "setup": [str]?, "fork":
     str?, "calls": [{"tool": str, "args": {...}, "expect": {"returncode": int,
     "success": bool, "timed_out": bool, "output_contains": str, "output_matches": regex,
-    "tests_ran": int}?}]}. A call without "expect" expects success; a given "expect"
+    "tests_ran": int}?}]}; a call may also be {"tool": "upload"|"download", "args":
+    {"local": path, "remote": path}} (a file or directory; local paths are relative to
+    the current directory). A call without "expect" expects success; a given "expect"
     checks its keys, and one about the output alone also expects success. "setup":
     commands run once per distinct setup (shared, snapshotted) that the trajectory
     starts after; "fork": the id of a trajectory whose state after its calls this

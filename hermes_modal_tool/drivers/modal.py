@@ -40,8 +40,10 @@ from ..config import SandboxConfig
 from ..errors import CredentialsError, SandboxStartError, SecretNotFoundError
 from ..gpus import container_init
 from ..secrets import secret_dirs
+from ..volumes import agent_config
 from . import _modal_sdk
 from ._modal_handle import ModalHandle
+from ._modal_volumes import modal_volumes
 from .base import Driver, SandboxHandle
 
 log = logging.getLogger("hermes_modal_tool")
@@ -267,6 +269,7 @@ class ModalDriver(Driver):
         app = await self._app(config, client)
         image = self._image(config)
         secrets = [modal.Secret.from_name(n) for n in config.secrets]
+        volumes = await modal_volumes(config, client, translate_error) if config.volumes else {}
         tags = self.tags(config, sandbox_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 90.0
@@ -280,7 +283,7 @@ class ModalDriver(Driver):
                     cpu=config.cpu, memory=config.memory, gpu=config.gpu,
                     timeout=max(1, int(config.max_lifetime)),
                     idle_timeout=max(1, int(config.idle_timeout)),
-                    block_network=not config.network, tags=tags, client=client)
+                    block_network=not config.network, tags=tags, volumes=volumes, client=client)
             except _RETRYABLE as exc:
                 found = await self._find_created(app, client, tags[TAG_CREATE])
                 if found is not None:
@@ -365,6 +368,7 @@ class ModalDriver(Driver):
             "disk_limit": config.disk_limit,
             "heartbeat": {"file": HEARTBEAT_FILE, "every": config.heartbeat_timeout / 6},
             "gpu": container_init(config),  # the container's GPUs, found by the agent
+            "volumes": agent_config(config.volumes),  # Modal Volumes, mounted at their targets
         }
         return handle, init
 

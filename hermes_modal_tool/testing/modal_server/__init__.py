@@ -69,8 +69,13 @@ host's filesystem); ``cpu``/``memory``/``gpu`` are recorded, not enforced (``mem
 only sizes ``/dev/shm``; a ``gpu`` sandbox gets the stand-in nodes of
 ``HERMES_MODAL_TOOL_GPU_ROOT`` in its ``/dev`` when that test-only tree is set); outbound
 allowlists are not enforced (only ``block_network``); no PTY (``pty=`` runs
-without one), tunnels, volumes, snapshots, sidecars, ``Sandbox.logs`` or ephemeral
-apps (``app.run()``); all stdio is kept in memory until the server stops; the root
+without one), tunnels, snapshots, sidecars, ``Sandbox.logs`` or ephemeral
+apps (``app.run()``); Modal Volumes are host directories under the state dir
+(``VolumeGetOrCreate``, ``VolumeDelete``, a sandbox's ``volume_mounts``: see
+``_volumes.py``; files go in on the host, ``volume_path(name)``, not through the
+Volume file RPCs; a mount point is made on the container's root, so it must not lie
+in one of the host's read-only top-level directories, e.g. ``/models`` but not
+``/opt/models``); all stdio is kept in memory until the server stops; the root
 inside a container has full capabilities (a test double, not a security boundary).
 Process-wide SDK caches outlive a server: call :meth:`LocalModalServer.reset_env_client`
 after switching servers; built images are remembered process-wide because the

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from modal_proto import api_pb2
@@ -45,11 +46,12 @@ class _Containers:
                     parents=True, exist_ok=True)
 
     def _container_argv(self, fs: Path, argv: list[str], cwd: str, *, block_network: bool,
-                        gpu: str | None = None, root: Path | None = None) -> list[str]:
+                        gpu: str | None = None, root: Path | None = None,
+                        volumes: Sequence[str] = ()) -> list[str]:
         """bwrap's command line for one process of a sandbox: the host's root read-only
         (or ``root``, an image's root filesystem: see ``image_roots``), the sandbox's
-        writable directories, stand-in GPU nodes for a ``gpu`` sandbox, the container
-        tools, then ``argv`` in ``cwd``."""
+        writable directories, stand-in GPU nodes for a ``gpu`` sandbox, its Volumes
+        (``volumes``: bwrap bind arguments), the container tools, then ``argv`` in ``cwd``."""
         assert self._bwrap is not None
         args = [str(self._bwrap), "--die-with-parent", "--unshare-pid", "--unshare-ipc",
                 "--unshare-uts", "--hostname", "modal"]
@@ -62,6 +64,7 @@ class _Containers:
         for target, (sub, _mode) in WRITABLE_DIRS.items():
             if target != "/var/tmp" or self._has_var_tmp:
                 args += ["--bind", str(fs / sub), target]
+        args += list(volumes)
         args += ["--ro-bind", str(self._bwrap.parent.parent), TOOLS_PATH, "--remount-ro", "/",
                  "--chdir", cwd, "/bin/sh", "-c", _INIT_SH, "sh", *argv]
         return args
@@ -72,12 +75,13 @@ class _Containers:
         root = self.image_roots.get(sb.record.image_tag)
         if self.isolation == "bwrap":
             argv = self._container_argv(sb.fs, proc.argv, cwd, block_network=sb.record.block_network,
-                                        gpu=sb.record.gpu, root=root)
+                                        gpu=sb.record.gpu, root=root,
+                                        volumes=self._volume_binds(sb.record.volumes, root))
             await proc.start(self, argv, env, None, timeout_s)
             return
-        if root is not None:
-            raise OSError(f"image {sb.record.image_tag!r} has a root of its own ({root}): that "
-                          "needs isolation='bwrap'")
+        if root is not None or sb.record.volumes:
+            why = f"image {sb.record.image_tag!r} has a root of its own ({root})" if root else "Volumes"
+            raise OSError(f"{why}: that needs isolation='bwrap'")
         exists = cwd != "/" and await asyncio.to_thread(os.path.isdir, cwd)
         host_cwd = cwd if exists else str(sb.fs / "workspace")
         env = {**env, "HOME": str(sb.fs / "root")}

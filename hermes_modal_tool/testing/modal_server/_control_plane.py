@@ -208,6 +208,7 @@ class _ControlPlaneHandlers:
         if d.HasField("name") and any(s.record.name == d.name and s.record.app_id == req.app_id
                                       and s.result is None for s in self._state_of.values()):
             raise GRPCError(Status.ALREADY_EXISTS, f"Sandbox with name '{d.name}' already exists")
+        volumes = self._volume_mounts(d)
         res = d.resources
         gpu = res.gpu_config.gpu_type or None
         if gpu and res.gpu_config.count > 1:
@@ -229,7 +230,7 @@ class _ControlPlaneHandlers:
             timeout_s=d.timeout_secs,
             idle_timeout_s=d.idle_timeout_secs if d.HasField("idle_timeout_secs") else None,
             block_network=blocked, tags={t.tag_name: t.tag_value for t in req.tags},
-            secret_names=names, env=inline, created_at=now,
+            secret_names=names, env=inline, created_at=now, volumes=volumes,
             state_dir=self.state_dir / "sandboxes" / sandbox_id)  # type: ignore[operator]
         sb = _Sandbox(self, record, env)
         self.sandboxes[sandbox_id] = record

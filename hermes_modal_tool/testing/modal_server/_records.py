@@ -50,6 +50,7 @@ class SandboxRecord:
             (137 when the sandbox was killed).
         live_execs: execs running now; ``exec_count`` execs started in total.
         state_dir: the sandbox's directory on the host (its writable dirs are in ``fs/``).
+        volumes: its Modal Volumes as (host directory, mount path, read-only).
     """
 
     sandbox_id: str
@@ -85,6 +86,7 @@ class SandboxRecord:
     exit_code: int | None = None
     live_execs: int = 0
     exec_count: int = 0
+    volumes: list[tuple[str, str, bool]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -108,6 +108,8 @@ class _ControlPlane(api_grpc.ModalClientBase):
     SandboxGetCommandRouterAccess = _unary("_router_access")
     SandboxStdinWrite = _unary("_sandbox_stdin_write")
     SandboxGetLogs = _streaming("_sandbox_get_logs")
+    VolumeGetOrCreate = _unary("_volume_get_or_create")
+    VolumeDelete = _unary("_volume_delete")
 
 
 @patch_mock_servicer

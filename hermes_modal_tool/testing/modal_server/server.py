@@ -34,6 +34,7 @@ from ._router import _RouterHandlers
 from ._services import _CommandRouter, _ControlPlane, _CountingStream
 from ._shm import unmount_under
 from ._snapshots import _FsSnapshots
+from ._volumes import _Volumes
 
 logger = logging.getLogger("hermes_modal_tool.testing.modal_server")
 
@@ -41,7 +42,8 @@ logger = logging.getLogger("hermes_modal_tool.testing.modal_server")
 # -- the server ----------------------------------------------------------------------
 
 
-class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsSnapshots, _FaultInjection):
+class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsSnapshots, _Volumes,
+                       _FaultInjection):
     """A local stand-in for Modal's API whose sandboxes are bubblewrap containers.
 
     Resembles a ``grpclib`` server (start/stop, ``async with``). All state lives in
@@ -101,6 +103,8 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
         self._app_names: dict[str, str] = {}
         self._secrets: dict[str, _Secret] = {}
         self._named_secrets: dict[tuple[str, str], str] = {}
+        self._volume_ids: dict[tuple[str, str], str] = {}  # Modal Volumes (_volumes.py)
+        self._volume_dirs: dict[str, Path] = {}
         self._failing_images: list[tuple[str, str]] = []
         self._create_failures: list[tuple[Status, str]] = []
         self._lost_create_replies = 0
