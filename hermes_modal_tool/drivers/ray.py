@@ -104,9 +104,19 @@ class RayHandle(SandboxHandle):
             raise
         except Exception as exc:
             if self._reason is None and not self._stopping:
-                self._reason = f"{self.node} was lost or its sandbox actor died ({type(exc).__name__})"
+                self._reason = await self._gone(exc)
             if self._stream.transport is not None:
                 self._stream.transport.abort()
+
+    async def _gone(self, exc: Exception) -> str:
+        """Why the actor is gone: its node is dead (Ray's node table), or the actor alone."""
+        try:
+            alive = await asyncio.wait_for(asyncio.to_thread(_node_alive, self.node_id), EXPLAIN_S)
+        except Exception:
+            alive = None
+        if alive is False:
+            return f"{self.node} was lost (Ray: the node is dead)"
+        return f"the sandbox actor on {self.node} died ({type(exc).__name__}: {_ray_error(exc)})"
 
     async def _stream_ended(self) -> None:
         exc = await self._stream.closed
@@ -294,7 +304,15 @@ def _describe(resources: dict[str, Any]) -> str:
                      for k, v in sorted(shown.items())) or "nothing"
 
 
+def _node_alive(node_id: str) -> bool | None:
+    """Whether Ray's node table says the node is alive; None if it does not list it."""
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return bool(node.get("Alive"))
+    return None
+
+
 def _ray_error(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     # A task error carries the remote traceback; its last line is the cause.
-    return text[-1] if text else type(exc).__name__
+    return text[-1][:300] if text else type(exc).__name__
