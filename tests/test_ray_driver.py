@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from support import SMALL, bash, eventually
@@ -123,15 +125,24 @@ async def test_small_load_across_nodes_loses_nothing(make_backend, ray_cluster):
     assert status["sandboxes_died"] == 0 and status["healthy_sandboxes"] == 2
 
 
-async def test_the_stream_refuses_a_wrong_token_before_any_frame(ray_cluster):
+async def test_the_stream_refuses_a_wrong_token_before_any_frame(ray_cluster, tmp_path):
+    """Also: a starting actor removes the directories of actors that are gone (killed
+    before they could) on its node, and only those."""
     from hermes_modal_tool import protocol
-    from hermes_modal_tool.drivers._ray_actor import SandboxActor
+    from hermes_modal_tool.drivers._ray_actor import ROOT_PREFIX, SandboxActor
 
+    dead = await asyncio.create_subprocess_exec("true")
+    await dead.wait()
+    stale = Path("/dev/shm") / f"{ROOT_PREFIX}{dead.pid}-test"
+    live = Path("/dev/shm") / f"{ROOT_PREFIX}{os.getpid()}-test"
+    for d in (stale, live):
+        (d / "sub").mkdir(parents=True)
     config = SandboxConfig(**{**SMALL, "name": "token", "driver": "ray"})
     token = os.urandom(32)
     actor = ray.remote(SandboxActor).options(num_cpus=0.5).remote()
     try:
         where = await actor.start.remote(config, "token-0", token, {})
+        assert not stale.exists() and live.exists()
         init = protocol.encode({"id": 1, "op": "init", "config": where["init"]})
 
         async def reply_to(prefix: bytes) -> bytes:
@@ -151,6 +162,8 @@ async def test_the_stream_refuses_a_wrong_token_before_any_frame(ray_cluster):
     finally:
         await actor.stop.remote()
         ray.kill(actor)
+        for d in (stale, live):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 ORPHAN_OWNER = textwrap.dedent("""

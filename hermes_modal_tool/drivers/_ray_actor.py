@@ -15,6 +15,11 @@ Ends of a sandbox, on the node:
 * the agent exits: the actor closes the stream and keeps why (:meth:`SandboxActor.why`);
 * the actor's owner (the host process) is gone: Ray kills the actor (owner semantics of
   a non-detached actor), the agent's stdin closes and it exits with its slots.
+
+An actor killed at once (its owner gone, SIGKILL) cannot remove its two directories on
+the node (``$TMPDIR/hermes-modal-tool-ray-PID-*`` and ``/dev/shm/hermes-modal-tool-ray-PID-*``;
+its agent removes what is in them): the next sandbox actor on that node removes those
+whose actor process (``PID``) is gone.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import asyncio
 import hmac
 import logging
 import os
+import secrets
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -34,6 +42,7 @@ from .local import LocalDriver
 log = logging.getLogger("hermes_modal_tool")
 
 TOKEN_BYTES = 32
+ROOT_PREFIX = "hermes-modal-tool-ray-"
 #: Seconds the actor waits for the host's connection (with the token) after ``start``.
 ACCEPT_TIMEOUT_S = 60.0
 #: Seconds a connection may take to send the token before it is closed.
@@ -110,6 +119,7 @@ class SandboxActor:
         self._ended: str | None = None
         self._stopping: asyncio.Task | None = None
         self._accept_timer: asyncio.TimerHandle | None = None
+        self._driver_options: dict[str, Any] = {}
 
     async def _on_loop(self, coro) -> Any:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
@@ -133,7 +143,9 @@ class SandboxActor:
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"token: need {TOKEN_BYTES} bytes, got {len(token)}")
         self.sandbox_id, self.token = sandbox_id, token
-        self._driver = LocalDriver(**local_options)
+        await asyncio.to_thread(_sweep_dead_roots)
+        self._driver_options = local_options
+        self._driver = _local_driver(local_options)
         local = config.model_copy(update={"driver": "local"})
         self.handle, init = await self._driver.start_sandbox(local, sandbox_id)
         ip = ray.util.get_node_ip_address()
@@ -177,6 +189,8 @@ class SandboxActor:
             await self.handle.terminate()
         if self._driver is not None:
             await self._driver.aclose()
+            if "state_root" not in self._driver_options:
+                await asyncio.to_thread(_remove_tree, self._driver.state_root)
 
     async def stop(self) -> None:
         """Stop the agent and remove its state (bounded: the local driver's terminate)."""
@@ -194,3 +208,41 @@ class SandboxActor:
         """Never returns while the actor lives: the host awaits it to learn at once (from
         Ray) that the actor or its node is gone."""
         await asyncio.Event().wait()
+
+
+def _local_driver(options: dict[str, Any]) -> LocalDriver:
+    """The node's local driver, its directories named for this actor's process (see the
+    module docstring); ``options`` may name a ``state_root`` of the caller's own."""
+    tag = f"{ROOT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    given = "state_root" in options
+    driver = LocalDriver(**({**options} if given else {**options, "state_root": Path(tempfile.gettempdir()) / tag}))
+    if driver.ctl_root is not None:
+        os.rmdir(driver.ctl_root)
+        driver.ctl_root = driver.ctl_root.parent / tag
+        driver.ctl_root.mkdir(mode=0o711)
+        os.chmod(driver.ctl_root, 0o711)
+    return driver
+
+
+def _remove_tree(path: os.PathLike[str] | str) -> None:
+    from ..agent.trees import remove_tree
+
+    remove_tree(str(path))
+
+
+def _sweep_dead_roots() -> None:
+    """Remove this node's sandbox actor directories whose actor process is gone."""
+    for parent in {tempfile.gettempdir(), "/dev/shm"}:
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(ROOT_PREFIX):
+                continue
+            pid = name[len(ROOT_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    _remove_tree(os.path.join(parent, name))
+                except OSError as exc:
+                    log.warning("could not remove %s (its sandbox actor is gone): %s", name, exc)
