@@ -126,10 +126,12 @@ def gvisor_line() -> str:
 
 
 async def measure(args: argparse.Namespace, cluster) -> dict:
+    load = os.getloadavg()[0]
     res = await warm(args.echoes, args.rounds)
     for driver in ("local", "ray"):
         res[driver]["starts"] = await start_times(driver, args.starts)
     res["worker"] = cluster.worker.node_id
+    res["load"] = (load, os.getloadavg()[0])
     return res
 
 
@@ -153,7 +155,8 @@ def render(res: dict) -> list[str]:
     row(f"calls/s, {SLOTS} slots per batch", local["calls_s"], ray_["calls_s"], lambda v: f"{v:8.0f}  ")
     return [f"Ray driver vs local driver, one sandbox of {SLOTS} slots each; the Ray sandbox on the "
             f"worker node of a two-node local cluster (n={len(local['lat'])} echoes, "
-            f"{len(local['starts'])} starts):", *rows, gvisor_line()]
+            f"{len(local['starts'])} starts; load average {res['load'][0]:.1f} before, "
+            f"{res['load'][1]:.1f} after):", *rows, gvisor_line()]
 
 
 def main() -> None:
