@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -236,3 +237,18 @@ async def test_a_lost_node_fails_only_its_calls_and_the_pool_replaces_it(make_ba
     fresh = [await backend.acquire(f"after-{i}") for i in range(4)]
     results = await backend.execute_batch([(s, "bash", {"command": "echo alive"}) for s in fresh])
     assert [r.output for r in results] == ["alive\n"] * 4
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"placement": "diagonal"}, "placement 'diagonal'"),
+    ({"resources": {"rollout": -1}}, "resources['rollout']"),
+    ({"start_timeout": 0}, "start_timeout"),
+    ({"no_such_option": 1}, "no_such_option"),
+])
+def test_a_bad_driver_option_is_named(options, named):
+    from hermes_modal_tool.drivers import make_driver
+    from hermes_modal_tool.errors import ConfigError
+
+    assert make_driver("ray").placement == "pack"  # positive control: good options make one
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        make_driver("ray", **options)
