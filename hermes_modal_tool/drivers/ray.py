@@ -46,6 +46,7 @@ from .base import Driver, SandboxHandle
 log = logging.getLogger("hermes_modal_tool")
 
 PLACEMENTS = ("pack", "spread")
+LOCAL_CLUSTER = "a new local cluster"
 MIB = 1024 * 1024
 #: Seconds to tell, after a stream ended by surprise, whether the actor is still there to
 #: say why (its agent exited) or gone with its node.
@@ -241,7 +242,7 @@ class RayDriver(Driver):
         except Exception as exc:
             raise SandboxStartError(f"driver 'ray': could not join the Ray cluster "
                                     f"{address or '(a new local one)'}: {type(exc).__name__}: {exc}") from None
-        return f"cluster at {address}" if address else "a new local cluster"
+        return f"cluster at {address}" if address else LOCAL_CLUSTER
 
     def _actor_options(self, config: SandboxConfig) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": config.cpu, "memory": config.memory * MIB,
@@ -287,6 +288,12 @@ class RayDriver(Driver):
             with contextlib.suppress(Exception):
                 ray.kill(actor)
             raise
+
+    async def aclose(self) -> None:
+        """Shut the local cluster down if this driver started it (a joined one is left)."""
+        if self._joined == LOCAL_CLUSTER and ray.is_initialized():
+            await asyncio.to_thread(ray.shutdown)
+        self._joined = None
 
     def describe(self) -> dict[str, Any]:
         facts: dict[str, Any] = {"driver": self.name, "placement": self.placement,
