@@ -101,9 +101,9 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         self.app_name = app_name
         self._driver_options = dict(driver_options or {})
         for key, value in self._driver_options.items():
-            if key not in ("local", "modal") or not isinstance(value, Mapping):
-                raise ConfigError(f"driver_options: key {key!r} must be a driver name ('local' or "
-                                  f"'modal') mapping to that driver's options, got {value!r:.80}")
+            if key not in ("local", "modal", "ray") or not isinstance(value, Mapping):
+                raise ConfigError(f"driver_options: key {key!r} must be a driver name ('local', "
+                                  f"'modal' or 'ray') mapping to that driver's options, got {value!r:.80}")
         self._drivers: dict[str, Driver] = {}
         self._pools: dict[str, SandboxPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}

@@ -30,7 +30,7 @@ from .volumes import Volume, check_volumes
 __all__ = ["ALIASES", "ENV_KEYS", "ENV_PREFIXES", "ModalSandboxConfig", "SandboxConfig",
            "build_profile", "load_profiles", "read_profiles_file", "validate_profile"]
 
-DriverName = Literal["local", "modal"]
+DriverName = Literal["local", "modal", "ray"]
 _Config = TypeVar("_Config", bound="SandboxConfig")
 
 
@@ -66,7 +66,8 @@ class SandboxConfig(BaseModel):
 
     name: str = Field("default", min_length=1, description="Profile name.")
     app_name: str | None = Field(None, description="Full app name; see with_app_name().")
-    driver: DriverName = Field("local", description="'local' (bubblewrap) or 'modal'.")
+    driver: DriverName = Field("local", description="'local' (bubblewrap), 'modal' or 'ray' (a Ray "
+                                                     "actor per sandbox, bubblewrap on its node).")
     image: str = Field(
         "python:3.11", description="The slots' image: a registry reference (Modal builds it; the local "
                                    "driver pulls it when the profile sets it), or locally dir:, oci:, "
