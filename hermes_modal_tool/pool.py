@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import tracing
+from ._pool_pick import SlotPick
 from ._pool_status import PoolStatus
 from ._pool_usage import PoolUsage
 from .config import SandboxConfig
@@ -43,8 +44,6 @@ from .usage import Usage
 #: needs minutes: tests/hosts).
 START_TIMEOUT_S = float(os.environ.get("HERMES_MODAL_TOOL_START_TIMEOUT_S") or 120.0)
 MAX_CALL_TIMEOUT_S = 86400.0
-#: How many of the last released free slots ``acquire`` chooses from (the oldest of them).
-PICK_WINDOW = 8
 
 
 @dataclass(eq=False)
@@ -63,7 +62,7 @@ class _Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class SandboxPool(SlotResets, PoolStatus, PoolUsage):
+class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
     """Sandboxes of one profile, each with ``slots_per_sandbox`` slots.
 
     Args:
@@ -78,6 +77,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         self._sandboxes: dict[str, Sandbox] = {}
         self._records: dict[str, list[_Record]] = {}
         self._free: deque[_Record] = deque()
+        self._held: dict[str, int] = {}  # sandbox id -> slots leased in it (config.spread)
         self._waiters: deque[asyncio.Future] = deque()
         self._starting = 0
         self._tasks: set[asyncio.Task] = set()
@@ -136,6 +136,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
             self._sandbox_ended(sb)
         self._sandboxes.clear()
         self._free.clear()
+        self._held.clear()
         for recs in self._records.values():
             for rec in recs:
                 if rec.holder is not None:
@@ -225,6 +226,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         self.stats["sandboxes_died"] += 1
         self.last_error = f"sandbox {sb.sandbox_id} died: {sb.death_reason}"
         recs = self._records.pop(sb.sandbox_id, [])
+        self._held.pop(sb.sandbox_id, None)
         dead = set(map(id, recs))
         self._free = deque(r for r in self._free if id(r) not in dead)
         for rec in recs:
@@ -276,6 +278,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         self._sandboxes.pop(sb.sandbox_id, None)
         self._sandbox_ended(sb)
         recs = self._records.pop(sb.sandbox_id, [])
+        self._held.pop(sb.sandbox_id, None)
         gone = set(map(id, recs))
         self._free = deque(r for r in self._free if id(r) not in gone)
         for rec in recs:
@@ -294,27 +297,6 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
                 w.set_result(rec)
                 return
         self._free.append(rec)
-
-    def _take_free(self) -> _Record | None:
-        # Of the PICK_WINDOW slots released last, the one released first: busy sandboxes stay
-        # busy (idle ones can be stopped) and the agent has had the most time to start its
-        # next shell (after a reset; a new sandbox's from slot_0 up): it is likely ready.
-        free = self._free
-        while free:
-            best = None
-            for pos in range(len(free) - 1, max(-1, len(free) - 1 - PICK_WINDOW), -1):
-                rec = free[pos]
-                if rec.sandbox.dead or rec.sandbox.sandbox_id not in self._sandboxes:
-                    continue
-                if best is None or rec.offered < free[best].offered:
-                    best = pos
-            if best is not None:
-                rec = free[best]
-                del free[best]
-                return rec
-            for _ in range(min(PICK_WINDOW, len(free))):
-                free.pop()  # gone with their sandboxes
-        return None
 
     async def acquire(self, trajectory_id: str | None = None) -> Slot:
         """Lease a slot with an empty workspace and a fresh shell.
@@ -373,6 +355,8 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
                     lease_id=str(uuid.UUID(new_id())), _lease=rec.lease, _sandbox=rec,
                     _held_since=time.monotonic())
         rec.holder = slot
+        sid = rec.sandbox.sandbox_id
+        self._held[sid] = self._held.get(sid, 0) + 1
         rec.sandbox.last_used = time.monotonic()
         self.stats["acquires"] += 1
         return slot
@@ -406,6 +390,9 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
             raise
         slot.state = SlotState.RELEASING
         rec.holder = None
+        sid = rec.sandbox.sandbox_id
+        if sid in self._held:
+            self._held[sid] -= 1
         rec.lease += 1
         rec.ready = False
         rec.sandbox.last_used = time.monotonic()
