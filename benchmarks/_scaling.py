@@ -29,7 +29,7 @@ from typing import Any
 
 from _engine_backends import cfg, started
 from _floors import raw_bash_throughput
-from _proc import cpu_by_kind
+from _proc import descendants, proc_kind
 from _rounds import echo_rounds, warm_up
 
 perf = time.perf_counter
@@ -75,6 +75,42 @@ def run_on(factory: Callable[[], asyncio.AbstractEventLoop], coro: Coroutine[Any
             loop.close()
 
 
+def cpu_by_kind() -> dict[str, float]:
+    """CPU seconds so far of this process ("host") and of its live descendants by kind
+    (``_proc.proc_kind``), every thread of each (``/proc/PID/task/*/schedstat``, ns):
+    ``_proc.cpu_by_kind`` reads main threads only, and an agent's standby work runs in
+    its worker threads."""
+    out: dict[str, float] = {}
+    for pid in descendants(os.getpid()):
+        kind = proc_kind(pid)
+        total = 0.0
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    total += int(fh.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+        out[kind] = out.get(kind, 0.0) + total
+    out["host"] = time.process_time()
+    return out
+
+
+async def agents_quiet(limit_s: float = 20.0, window_s: float = 0.25, cores: float = 0.05) -> float:
+    """Wait (up to ``limit_s``) until the agents use less than ``cores`` of a core over
+    ``window_s``: after a slot's first command its agent prepares the slot's next layer
+    in the background (standby work), which would otherwise land in the measured runs.
+    Returns the seconds waited."""
+    t0 = perf()
+    last = cpu_by_kind().get("agent", 0.0)
+    while perf() - t0 < limit_s:
+        await asyncio.sleep(window_s)
+        now = cpu_by_kind().get("agent", 0.0)
+        if now - last < cores * window_s:
+            break
+        last = now
+    return perf() - t0
+
+
 async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[str, Any]:
     """``runs`` runs of ``rounds`` rounds of ``echo i`` over ``slots`` slots spread evenly
     over ``sandboxes`` sandboxes: calls/s of the median run and CPU µs per call by process
@@ -89,6 +125,7 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
         counts = sorted(Counter(s.sandbox_id for s in use).values())
         assert len(counts) == min(sandboxes, slots) and counts[-1] - counts[0] <= 1, counts
         await warm_up(b, use)
+        settled_s = await agents_quiet()
         walls, wrong = [], 0
         cpu: dict[str, float] = {}
         for _ in range(runs):
@@ -106,7 +143,7 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
     median = sorted(walls)[len(walls) // 2]
     per_call = {k: v / (calls * runs) * 1e6 for k, v in cpu.items() if v > 0}
     return {"sandboxes": sandboxes, "slots": slots, "calls_per_s": calls / median,
-            "runs_calls_per_s": [calls / w for w in walls], "wrong_outputs": wrong,
+            "runs_calls_per_s": [calls / w for w in walls], "wrong_outputs": wrong, "settle_s": settled_s,
             "cpu_us_per_call": per_call}
 
 
