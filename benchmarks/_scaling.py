@@ -95,14 +95,20 @@ def cpu_by_kind() -> dict[str, float]:
     return out
 
 
-async def agents_quiet(limit_s: float = 20.0, window_s: float = 0.25, cores: float = 0.05) -> float:
-    """Wait (up to ``limit_s``) until the agents use less than ``cores`` of a core over
-    ``window_s``: after a slot's first command its agent prepares the slot's next layer
-    in the background (standby work), which would otherwise land in the measured runs.
-    Returns the seconds waited."""
+async def agents_quiet(since: float, limit_s: float = 30.0, window_s: float = 0.5,
+                       cores: float = 0.05) -> float:
+    """Wait until the agents' background work after the warm-up is over: each slot's
+    first command queues its next layer (standby work, in a worker thread), which waits
+    for the CPU to be free for at most ``quiet.BUDGET_S`` seconds and would otherwise run
+    in the measured rounds. So: at least that long after ``since`` (a ``perf()`` reading
+    taken before the warm-up), then until the agents use less than ``cores`` of a core
+    over ``window_s`` (at most ``limit_s`` after ``since``). Returns the seconds waited."""
+    from hermes_modal_tool.agent.quiet import BUDGET_S
+
     t0 = perf()
+    await asyncio.sleep(max(0.0, since + BUDGET_S + 0.5 - perf()))
     last = cpu_by_kind().get("agent", 0.0)
-    while perf() - t0 < limit_s:
+    while perf() - since < limit_s:
         await asyncio.sleep(window_s)
         now = cpu_by_kind().get("agent", 0.0)
         if now - last < cores * window_s:
@@ -124,8 +130,9 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
         use = [await b.acquire(f"sc-{i}") for i in range(slots)]
         counts = sorted(Counter(s.sandbox_id for s in use).values())
         assert len(counts) == min(sandboxes, slots) and counts[-1] - counts[0] <= 1, counts
+        t_warm = perf()
         await warm_up(b, use)
-        settled_s = await agents_quiet()
+        settled_s = await agents_quiet(t_warm)
         walls, wrong = [], 0
         cpu: dict[str, float] = {}
         for _ in range(runs):
