@@ -79,8 +79,6 @@ from _engine_sections import (  # noqa: E402 - sections a to e
     start_floors,
     throughput_ours,
 )
-from _scaling import default_max_sandboxes, scaling  # noqa: E402 - section s
-from _scaling import render as render_scaling  # noqa: E402
 from _floors import raw_bash_echo, raw_bash_throughput  # noqa: E402
 from _fresh import bwrap_true_rate, fresh_shells, live_shells_rate  # noqa: E402 - section f
 from _machine import log  # noqa: E402
@@ -99,6 +97,8 @@ from _proc import (  # noqa: E402
     meminfo,
     others_cpu,
 )
+from _scaling import default_max_sandboxes, scaling  # noqa: E402 - section s
+from _scaling import render as render_scaling  # noqa: E402
 
 perf = time.perf_counter
 
