@@ -21,7 +21,7 @@ from typing import Any
 
 from . import tracing
 from ._pool_pick import SlotPick
-from ._pool_status import PoolStatus
+from ._pool_status import RATE_TICKS_PER_S, PoolStatus
 from ._pool_usage import PoolUsage
 from .config import SandboxConfig
 from .drivers.base import Driver
@@ -90,7 +90,7 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
                       "sandboxes_died": 0, "sandboxes_stopped": 0, "acquires": 0, "quarantined": 0}
         self.last_error: str | None = None
         self.info: dict[str, Any] = {}
-        self._rate_window: deque[float] = deque()
+        self._rate_window: deque[list[int]] = deque()  # [tick, calls] (_pool_status.py)
         self._usage_init()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -454,7 +454,12 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
         calls[tool] = calls.get(tool, 0) + 1
         slot.state = SlotState.EXECUTING
         self.stats["calls"] += 1
-        self._rate_window.append(time.monotonic())
+        tick = int(time.monotonic() * RATE_TICKS_PER_S)
+        last = self._rate_window[-1] if self._rate_window else None
+        if last is not None and last[0] == tick:
+            last[1] += 1
+        else:
+            self._new_rate_tick(tick)
         return sb, mid, fut, rec
 
     @staticmethod

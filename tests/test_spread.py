@@ -1,5 +1,6 @@
-"""Slots spread over a pool's live sandboxes (``spread``, default on; off packs them), and
-the host's own event loops on uvloop when installed (``hermes_modal_tool/loops.py``)."""
+"""Scaling on one machine: slots spread over a pool's live sandboxes (``spread``, default
+on; off packs them), the host's per-call bookkeeping bounded, and the host's own event
+loops on uvloop when installed (``hermes_modal_tool/loops.py``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,20 @@ async def test_spread_false_packs_slots_into_one_sandbox(make_backend):
     backend = await make_backend(min_sandboxes=3, max_sandboxes=3, slots_per_sandbox=4, spread=False)
     slots = [await backend.acquire(f"t{i}") for i in range(6)]
     assert max(per_sandbox(slots)) == 4, per_sandbox(slots)
+
+
+async def test_the_call_rate_keeps_counts_not_one_entry_per_call(make_backend):
+    # The host's per-call work stays O(1) in memory too: before, every call appended a
+    # timestamp that stayed until someone asked for the status (GBs after hours at 20k/s).
+    backend = await make_backend(min_sandboxes=1, max_sandboxes=1, slots_per_sandbox=4)
+    slots = [await backend.acquire(f"r{i}") for i in range(4)]
+    for _ in range(3):
+        rs = await backend.execute_batch([(s, "bash", {"command": "true"}) for s in slots for _ in range(25)])
+        assert all(r.success for r in rs), rs
+    pool = backend._pools[slots[0].profile]
+    assert pool.calls_per_second(60) == 300 / 60  # every call counted
+    assert len(pool._rate_window) <= 30, len(pool._rate_window)
+    assert backend.get_status()["calls_per_second"] == 30.0  # the default 10 s window
 
 
 def test_spread_is_a_validated_profile_field():
