@@ -19,7 +19,11 @@ f. shells per second: the first ``true`` in 1,000 fresh slots (10 sandboxes x 10
    off until the batch was over (standby layers, ``_fresh.py``);
 g. live output (``streaming.py``): one slot's streaming throughput against ``subprocess``
    reading the same ``head -c 100MB /dev/zero``, and a neighbour's ``echo`` while a slot
-   of the same sandbox streams ``yes``.
+   of the same sandbox streams ``yes``;
+s. scaling (``_scaling.py``, not in the default set): ``--scale-slots`` slots over 1, 2, 4,
+   ... sandboxes up to ``--max-sandboxes`` (default twice the CPUs), calls/s against as
+   many raw bashes, the ratio, and the CPU per call by part, on the stdlib event loop and
+   on uvloop when installed.
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
 persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
@@ -36,6 +40,7 @@ Usage::
     .venv/bin/python benchmarks/engine.py --quick    # small, fast run (~20 s)
     .venv/bin/python benchmarks/engine.py --slots 500 --json /tmp/bench.json
     .venv/bin/python benchmarks/engine.py --wait-idle 300   # on a shared machine
+    .venv/bin/python benchmarks/engine.py --sections s --no-swerex   # scaling with the cores
 
 Every backend uses a profile name unique to this run (sandbox ids, and so cgroup
 names, derive from it), and the process makes itself a child subreaper so that engine
@@ -92,6 +97,8 @@ from _proc import (  # noqa: E402
     meminfo,
     others_cpu,
 )
+from _scaling import default_max_sandboxes, scaling  # noqa: E402 - section s
+from _scaling import render as render_scaling  # noqa: E402
 
 perf = time.perf_counter
 
@@ -266,6 +273,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "g" in sections:
         res["streaming"] = timed("g. streaming", lambda: asyncio.run(
             streaming.measure(20 if q else 100, 100 if q else 300)))
+    if "s" in sections:
+        res["scaling"] = scaling(args.scale_slots, args.max_sandboxes or default_max_sandboxes(),
+                                 10 if q else 50, 2 if q else 3, timed)
     res["cleanup"] = wait_clean()
     res["wall_s"] = perf() - t_start
     res["cpu_log"] = CPU_LOG
@@ -280,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=None, help="slots for the memory test (default 1000; 100 with --quick)")
     ap.add_argument("--per-sandbox", type=int, default=100, help="slots per sandbox for the memory test")
     ap.add_argument("--sections", default="a,b,c,d,e,f,g", help="which sections to run (default a,b,c,d,e,f,g)")
+    ap.add_argument("--max-sandboxes", type=int, default=None, metavar="N",
+                    help="section s: the most sandboxes (default: twice the CPUs)")
+    ap.add_argument("--scale-slots", type=int, default=128, metavar="N",
+                    help="section s: slots spread over the sandboxes (default 128)")
     ap.add_argument("--no-swerex", action="store_true", help="skip the SWE-ReX comparison")
     ap.add_argument("--disk-limit", choices=("auto", "kernel", "watch"), default=None,
                     help="every profile's disk_limit (default: the profile default, auto)")
@@ -296,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     threading.current_thread().name = "bench"
     res = run(args)
     print(render(res, args.quick), flush=True)
+    if "scaling" in res:
+        print(render_scaling(res["scaling"]), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=2, default=str)

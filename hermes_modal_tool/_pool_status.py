@@ -10,6 +10,9 @@ from .gpus import gpu_status
 
 log = logging.getLogger("hermes_modal_tool")
 _WARNED_WORKSPACE_ONLY: set[str] = set()  # profiles already warned about (once per process)
+#: ``calls_per_second``: calls are counted per tenth of a second, for the last minute.
+RATE_TICKS_PER_S = 10
+RATE_KEEP_S = 60.0
 
 
 class PoolStatus:
@@ -28,11 +31,20 @@ class PoolStatus:
                         self.info.get("filesystem_note") or "unknown reason")
 
     def calls_per_second(self, window: float = 10.0) -> float:
-        now = time.monotonic()
+        """Calls sent in the last ``window`` seconds (at most :data:`RATE_KEEP_S`), per
+        second, counted in tenths of a second (:meth:`_count_call`)."""
+        now = int(time.monotonic() * RATE_TICKS_PER_S)
+        span = min(window, RATE_KEEP_S) * RATE_TICKS_PER_S
+        return sum(n for tick, n in self._rate_window if now - tick < span) / window
+
+    def _new_rate_tick(self, tick: int) -> None:
+        """Start counting calls in ``tick`` (pool.submit counts into the last one itself:
+        one comparison and one add per call, and the counts keep :data:`RATE_KEEP_S`
+        seconds, not one entry per call until someone asks for the status)."""
         w = self._rate_window
-        while w and now - w[0] > window:
+        w.append([tick, 1])
+        while tick - w[0][0] > RATE_KEEP_S * RATE_TICKS_PER_S:
             w.popleft()
-        return len(w) / window
 
     def status(self) -> dict[str, Any]:
         total = sum(len(r) for r in self._records.values())

@@ -94,6 +94,14 @@ class SandboxConfig(BaseModel):
     slots_per_sandbox: int = Field(10, ge=1, le=4096)
     min_sandboxes: int = Field(1, ge=0, le=100000)
     max_sandboxes: int = Field(5, ge=1, le=100000)
+    spread: bool = Field(
+        True, description="acquire leases a free slot of the live sandbox holding the fewest "
+                          "leased slots, so held slots spread over the live sandboxes: each "
+                          "sandbox's agent is one process serving its slots on one core, so "
+                          "that is one core per sandbox (min_sandboxes: the host's cores to use "
+                          "them all from the start). False packs them into the sandboxes used "
+                          "last (fewer agents busy; those beyond min_sandboxes idle and stop "
+                          "sooner).")
     idle_timeout: float = Field(120, gt=0, description="Idle seconds before a sandbox is stopped (down to min_sandboxes; see "
                                       "scale_down_idle); also Modal's server-side idle limit.")
     max_lifetime: float = Field(3600, gt=0, description="Longest a sandbox lives (s); Modal's timeout.")

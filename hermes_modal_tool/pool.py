@@ -19,7 +19,8 @@ from collections import deque
 from typing import Any
 
 from . import tracing
-from ._pool_status import PoolStatus
+from ._pool_pick import SlotPick
+from ._pool_status import RATE_TICKS_PER_S, PoolStatus
 from ._pool_usage import PoolUsage
 from ._slot_record import SlotRecord as _Record
 from .config import SandboxConfig
@@ -43,11 +44,9 @@ from .usage import Usage
 #: needs minutes: tests/hosts).
 START_TIMEOUT_S = float(os.environ.get("HERMES_MODAL_TOOL_START_TIMEOUT_S") or 120.0)
 MAX_CALL_TIMEOUT_S = 86400.0
-#: How many of the last released free slots ``acquire`` chooses from (the oldest of them).
-PICK_WINDOW = 8
 
 
-class SandboxPool(SlotResets, PoolStatus, PoolUsage):
+class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
     """Sandboxes of one profile, each with ``slots_per_sandbox`` slots.
 
     Args:
@@ -62,6 +61,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         self._sandboxes: dict[str, Sandbox] = {}
         self._records: dict[str, list[_Record]] = {}
         self._free: deque[_Record] = deque()
+        self._held: dict[str, int] = {}  # sandbox id -> slots leased in it (config.spread)
         self._waiters: deque[asyncio.Future] = deque()
         self._starting = 0
         self._tasks: set[asyncio.Task] = set()
@@ -74,7 +74,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
                       "sandboxes_died": 0, "sandboxes_stopped": 0, "acquires": 0, "quarantined": 0}
         self.last_error: str | None = None
         self.info: dict[str, Any] = {}
-        self._rate_window: deque[float] = deque()
+        self._rate_window: deque[list[int]] = deque()  # [tick, calls] (_pool_status.py)
         self._usage_init()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -120,6 +120,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
             self._sandbox_ended(sb)
         self._sandboxes.clear()
         self._free.clear()
+        self._held.clear()
         for recs in self._records.values():
             for rec in recs:
                 if rec.holder is not None:
@@ -209,6 +210,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         self.stats["sandboxes_died"] += 1
         self.last_error = f"sandbox {sb.sandbox_id} died: {sb.death_reason}"
         recs = self._records.pop(sb.sandbox_id, [])
+        self._held.pop(sb.sandbox_id, None)
         dead = set(map(id, recs))
         self._free = deque(r for r in self._free if id(r) not in dead)
         for rec in recs:
@@ -260,6 +262,7 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         self._sandboxes.pop(sb.sandbox_id, None)
         self._sandbox_ended(sb)
         recs = self._records.pop(sb.sandbox_id, [])
+        self._held.pop(sb.sandbox_id, None)
         gone = set(map(id, recs))
         self._free = deque(r for r in self._free if id(r) not in gone)
         for rec in recs:
@@ -278,27 +281,6 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
                 w.set_result(rec)
                 return
         self._free.append(rec)
-
-    def _take_free(self) -> _Record | None:
-        # Of the PICK_WINDOW slots released last, the one released first: busy sandboxes stay
-        # busy (idle ones can be stopped) and the agent has had the most time to start its
-        # next shell (after a reset; a new sandbox's from slot_0 up): it is likely ready.
-        free = self._free
-        while free:
-            best = None
-            for pos in range(len(free) - 1, max(-1, len(free) - 1 - PICK_WINDOW), -1):
-                rec = free[pos]
-                if rec.sandbox.dead or rec.sandbox.sandbox_id not in self._sandboxes:
-                    continue
-                if best is None or rec.offered < free[best].offered:
-                    best = pos
-            if best is not None:
-                rec = free[best]
-                del free[best]
-                return rec
-            for _ in range(min(PICK_WINDOW, len(free))):
-                free.pop()  # gone with their sandboxes
-        return None
 
     async def acquire(self, trajectory_id: str | None = None) -> Slot:
         """Lease a slot with an empty workspace and a fresh shell.
@@ -357,6 +339,8 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
                     lease_id=str(uuid.UUID(new_id())), _lease=rec.lease, _sandbox=rec,
                     _held_since=time.monotonic())
         rec.holder = slot
+        sid = rec.sandbox.sandbox_id
+        self._held[sid] = self._held.get(sid, 0) + 1
         rec.sandbox.last_used = time.monotonic()
         self.stats["acquires"] += 1
         return slot
@@ -390,6 +374,9 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
             raise
         slot.state = SlotState.RELEASING
         rec.holder = None
+        sid = rec.sandbox.sandbox_id
+        if sid in self._held:
+            self._held[sid] -= 1
         rec.lease += 1
         rec.ready = False
         rec.sandbox.last_used = time.monotonic()
@@ -451,7 +438,12 @@ class SandboxPool(SlotResets, PoolStatus, PoolUsage):
         calls[tool] = calls.get(tool, 0) + 1
         slot.state = SlotState.EXECUTING
         self.stats["calls"] += 1
-        self._rate_window.append(time.monotonic())
+        tick = int(time.monotonic() * RATE_TICKS_PER_S)
+        last = self._rate_window[-1] if self._rate_window else None
+        if last is not None and last[0] == tick:
+            last[1] += 1
+        else:
+            self._new_rate_tick(tick)
         return sb, mid, fut, rec
 
     @staticmethod

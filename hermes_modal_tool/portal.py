@@ -14,6 +14,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from . import loops
 from .errors import UsageError
 
 T = TypeVar("T")
@@ -23,7 +24,7 @@ class LoopThread:
     """A daemon thread running one asyncio event loop forever (until :meth:`close`)."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = loops.new_event_loop()  # uvloop when installed (loops.UVLOOP_ENV)
         self._thread = threading.Thread(target=self._main, name="hermes-modal-tool-loop", daemon=True)
         self._thread.start()
 

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
+from .. import loops
 from ..config import SandboxConfig, load_profiles
 from ..errors import ConfigError, ConfigWarning
 
@@ -142,4 +143,4 @@ def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
 
-    return asyncio.run(main())
+    return loops.run(main())  # uvloop when installed (loops.UVLOOP_ENV)

@@ -346,12 +346,14 @@ class LocalDriver(Driver):
         argv = [bwrap, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--proc", "/proc",
                 "--dev", "/dev", "true"]
         uid = 65534 if os.geteuid() == 0 else None
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            user=uid, group=uid, extra_groups=[] if uid else None, env={"PATH": BASE_PATH})
-        _, err = await proc.communicate()
+        # subprocess.run in a thread, not asyncio's subprocess: uvloop's (loops.py) takes
+        # no user/group/extra_groups. Once per process and bwrap binary, a few ms.
+        proc = await asyncio.to_thread(
+            subprocess.run, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, user=uid, group=uid, extra_groups=[] if uid else None,
+            env={"PATH": BASE_PATH}, check=False)
         if proc.returncode != 0:
-            why = err.decode(errors="replace").strip()
+            why = proc.stderr.decode(errors="replace").strip()
             if "namespace" not in why and "ermission" not in why:
                 raise IsolationUnavailableError(f"bubblewrap ({bwrap}) does not run here: {why}")
             raise IsolationUnavailableError(

@@ -52,6 +52,7 @@ BAD: dict[str, list[Any]] = {
     "filesystem": ["overlay2", "", "none", 5, None],
     "disk_limit": ["quota", "", "none", 5, None],
     "network": ["loopback", 2, [], None],
+    "spread": ["sometimes", 2, [], None],
     "isolation": ["docker", "", True, None],
     "slot_memory": [0, -1, "1G", 1.5, []],
     "pids_limit": [0, 7, -1, 10**7, "many", None],

@@ -1,0 +1,233 @@
+"""Section s of ``engine.py``: how the engine grows with the machine's cores.
+
+The same slots (``--scale-slots``, default 128) spread over 1, 2, 4, ... sandboxes (agent
+processes), up to ``--max-sandboxes`` (default twice the CPUs this process may use), each
+driven in rounds of ``echo i`` as section b does; beside each sandbox count, as many raw
+persistent bashes driven by one Python thread (``_floors.py``, the floor: no sandbox,
+agent or host in between), measured right after it so that a shared machine's load drifts
+over both alike. Printed: calls/s, the ratio to the floor, and the CPU per call by part
+(the host process: its event loop, the pool and the frames; the agents; the shells and
+their bubblewrap inits), once with the stdlib event loop and, when ``uvloop`` is installed,
+once with uvloop in the same run (the loop the host's ``asyncio`` code runs on, chosen
+here explicitly for both, so the comparison does not depend on ``HERMES_MODAL_TOOL_UVLOOP``).
+
+``framing_us``: the host's own share that is frame work, timed in a tight loop apart from
+the engine (encode one call's request frame, decode one reply frame, build its
+``ExecutionResult``), so that the host's CPU per call splits into that and the rest (the
+event loop, the pool, the batch's bookkeeping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from _engine_backends import cfg, started
+from _floors import raw_bash_throughput
+from _proc import descendants, proc_kind
+from _rounds import echo_rounds, warm_up
+
+perf = time.perf_counter
+
+
+def default_max_sandboxes() -> int:
+    """Twice the CPUs this process may run on (``sched_getaffinity``)."""
+    return 2 * len(os.sched_getaffinity(0))
+
+
+def sandbox_counts(max_sandboxes: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_sandboxes`` (which ends the list even when not a power of 2)."""
+    out, n = [], 1
+    while n < max_sandboxes:
+        out.append(n)
+        n *= 2
+    out.append(max_sandboxes)
+    return out
+
+
+def loops() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The event loops to compare: ``asyncio`` (stdlib) and, if importable, ``uvloop``."""
+    out: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+    try:
+        import uvloop
+    except ImportError:
+        return out
+    out["uvloop"] = uvloop.new_event_loop
+    return out
+
+
+def run_on(factory: Callable[[], asyncio.AbstractEventLoop], coro: Coroutine[Any, Any, Any]) -> Any:
+    """``asyncio.run`` on a loop made by ``factory`` (Python 3.10 has no ``loop_factory``)."""
+    loop = factory()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def cpu_by_kind() -> dict[str, float]:
+    """CPU seconds so far of this process ("host") and of its live descendants by kind
+    (``_proc.proc_kind``), every thread of each (``/proc/PID/task/*/schedstat``, ns):
+    ``_proc.cpu_by_kind`` reads main threads only, and an agent's standby work runs in
+    its worker threads."""
+    out: dict[str, float] = {}
+    for pid in descendants(os.getpid()):
+        kind = proc_kind(pid)
+        total = 0.0
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    total += int(fh.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+        out[kind] = out.get(kind, 0.0) + total
+    out["host"] = time.process_time()
+    return out
+
+
+async def agents_quiet(since: float, limit_s: float = 30.0, window_s: float = 0.5,
+                       cores: float = 0.05) -> float:
+    """Wait until the agents' background work after the warm-up is over: each slot's
+    first command queues its next layer (standby work, in a worker thread), which waits
+    for the CPU to be free for at most ``quiet.BUDGET_S`` seconds and would otherwise run
+    in the measured rounds. So: at least that long after ``since`` (a ``perf()`` reading
+    taken before the warm-up), then until the agents use less than ``cores`` of a core
+    over ``window_s`` (at most ``limit_s`` after ``since``). Returns the seconds waited."""
+    from hermes_modal_tool.agent.quiet import BUDGET_S
+
+    t0 = perf()
+    await asyncio.sleep(max(0.0, since + BUDGET_S + 0.5 - perf()))
+    last = cpu_by_kind().get("agent", 0.0)
+    while perf() - since < limit_s:
+        await asyncio.sleep(window_s)
+        now = cpu_by_kind().get("agent", 0.0)
+        if now - last < cores * window_s:
+            break
+        last = now
+    return perf() - t0
+
+
+async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[str, Any]:
+    """``runs`` runs of ``rounds`` rounds of ``echo i`` over ``slots`` slots spread evenly
+    over ``sandboxes`` sandboxes: calls/s of the median run and CPU µs per call by process
+    kind over all runs."""
+    per = -(-slots // sandboxes)
+    b = await started(cfg(slots_per_sandbox=per, min_sandboxes=sandboxes, max_sandboxes=sandboxes,
+                          scale_down_idle=False))
+    try:
+        # The pool's default spread (``spread: true``) puts the slots evenly over the
+        # sandboxes: checked, since an uneven spread would measure the busiest agent.
+        use = [await b.acquire(f"sc-{i}") for i in range(slots)]
+        counts = sorted(Counter(s.sandbox_id for s in use).values())
+        assert len(counts) == min(sandboxes, slots) and counts[-1] - counts[0] <= 1, counts
+        t_warm = perf()
+        await warm_up(b, use)
+        settled_s = await agents_quiet(t_warm)
+        walls, wrong = [], 0
+        cpu: dict[str, float] = {}
+        for _ in range(runs):
+            c0 = cpu_by_kind()
+            wall, bad = await echo_rounds(b, use, rounds)
+            for k, v in cpu_by_kind().items():
+                cpu[k] = cpu.get(k, 0.0) + v - c0.get(k, 0.0)
+            walls.append(wall)
+            wrong += bad
+        for s in use:
+            await b.release(s)
+    finally:
+        await b.stop()
+    calls = slots * rounds
+    median = sorted(walls)[len(walls) // 2]
+    per_call = {k: v / (calls * runs) * 1e6 for k, v in cpu.items() if v > 0}
+    return {"sandboxes": sandboxes, "slots": slots, "calls_per_s": calls / median,
+            "runs_calls_per_s": [calls / w for w in walls], "wrong_outputs": wrong, "settle_s": settled_s,
+            "cpu_us_per_call": per_call}
+
+
+def framing_us(n: int = 20000) -> dict[str, float]:
+    """Host µs per call of frame work alone: encode a call's request, decode its reply,
+    build the ExecutionResult (the shapes section s sends and gets back). CPU time of
+    this thread, so that other processes on a shared machine do not inflate it."""
+    from hermes_modal_tool import protocol
+    from hermes_modal_tool.slots import ExecutionResult, execution_id
+
+    msg = {"op": "call", "slot": 7, "tool": "bash", "args": {"command": "echo 12"}, "timeout": 60.0}
+    reply = protocol.encode({"id": 123, "ok": True, "result": protocol.call_result(output="12\n", returncode=0)})
+    dec = protocol.FrameDecoder()
+    t0 = time.thread_time()
+    for i in range(n):
+        protocol.encode({**msg, "id": i})
+    t1 = time.thread_time()
+    for _ in range(n):
+        [m] = dec.feed(reply)
+        ExecutionResult.from_agent(m["result"], "s_slot_7", execution_id(), "bash")
+    t2 = time.thread_time()
+    return {"encode_request": (t1 - t0) / n * 1e6, "decode_reply_and_result": (t2 - t1) / n * 1e6}
+
+
+def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
+            timed: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
+    """Section s: for each sandbox count and each event loop, our calls/s and CPU per call
+    by part, and the raw-bash floor measured right after (ratio = ours / that floor)."""
+    rows: list[dict[str, Any]] = []
+    for n in sandbox_counts(max_sandboxes):
+        mine = []
+        for name, factory in loops().items():
+            row = timed(f"s. ours {n} sandbox(es), {name}", lambda f=factory, n=n: run_on(
+                f, one_count(slots, n, rounds, runs)))
+            row["loop"] = name
+            mine.append(row)
+        # The floor does not depend on the sandbox count: measured again beside each, so
+        # that a shared machine's load drifts over both alike.
+        floor = timed(f"s. floor: {slots} raw bashes", lambda: raw_bash_throughput(slots, rounds * runs))
+        for row in mine:
+            row["floor_calls_per_s"] = floor["calls_per_s"]
+            row["ratio"] = row["calls_per_s"] / floor["calls_per_s"]
+            row["floor_cpu_us_per_call"] = floor["cpu_us_per_call"]
+        rows += mine
+    return {"slots": slots, "max_sandboxes": max_sandboxes, "rounds": rounds, "runs": runs,
+            "nproc": len(os.sched_getaffinity(0)), "loadavg": os.getloadavg(),
+            "framing_us_per_call": framing_us(), "rows": rows}
+
+
+PARTS = (("host", ("host",)), ("agent", ("agent",)), ("shell", ("bash", "bwrap-init", "bwrap")))
+
+
+def render(sc: dict[str, Any]) -> str:
+    """The scaling table (markdown) and one JSON line with its figures."""
+    fr = sc["framing_us_per_call"]
+    lines = [f"s. scaling: {sc['slots']} slots over 1..{sc['max_sandboxes']} sandboxes, "
+             f"{sc['runs']} runs of {sc['rounds']} rounds; nproc {sc['nproc']}, load average "
+             f"{', '.join(f'{x:.2f}' for x in sc['loadavg'])} (at the end)",
+             "",
+             "| sandboxes | loop | calls/s | raw-bash floor | ratio | host µs/call | agent µs/call | shell µs/call |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    short = []
+    for r in sc["rows"]:
+        cpu = r["cpu_us_per_call"]
+        parts = {p: sum(cpu.get(k, 0.0) for k in kinds) for p, kinds in PARTS}
+        lines.append(f"| {r['sandboxes']} | {r['loop']} | {r['calls_per_s']:,.0f} | {r['floor_calls_per_s']:,.0f} "
+                     f"| {r['ratio']:.2f} | {parts['host']:.1f} | {parts['agent']:.1f} | {parts['shell']:.1f} |")
+        short.append({"sandboxes": r["sandboxes"], "loop": r["loop"], "calls_per_s": round(r["calls_per_s"]),
+                      "floor": round(r["floor_calls_per_s"]), "ratio": round(r["ratio"], 3),
+                      "us_per_call": {p: round(v, 1) for p, v in parts.items()},
+                      "wrong": r["wrong_outputs"]})
+    lines.append("")
+    lines.append(f"host frame work alone: encode a request {fr['encode_request']:.1f} µs, decode a reply and "
+                 f"build its result {fr['decode_reply_and_result']:.1f} µs (the rest of host µs/call: the "
+                 "event loop, the pool, the batch)")
+    lines.append("SCALING_JSON " + json.dumps({"nproc": sc["nproc"], "slots": sc["slots"],
+                                               "loadavg": [round(x, 2) for x in sc["loadavg"]],
+                                               "framing_us": {k: round(v, 2) for k, v in fr.items()},
+                                               "rows": short}))
+    return "\n".join(lines)
