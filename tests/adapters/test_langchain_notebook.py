@@ -7,6 +7,7 @@ its outputs and is not rewritten here.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -36,8 +37,14 @@ def check(nb: nbformat.NotebookNode) -> None:
     assert "--- bash -> /data/slot_1\ncat: proj/app.py: No such file or directory\n[exit code 1]" in outputs
     # ... and failures are tool output.
     assert "[exit code 124: command timed out after 1s" in outputs
+    assert "--- read_file -> Error: no such file: /data/slot_0/proj/missing.txt" in outputs
     assert "(124, True)" in outputs
     assert "released 2 slots" in outputs
+
+
+def stable(cell: nbformat.NotebookNode) -> str:
+    """A cell's text output with what changes from run to run (``idle_s``'s seconds) blanked."""
+    return re.sub(r"\d+\.\d+", "<n>", text_of(cell))
 
 
 def test_committed_notebook_has_its_outputs() -> None:
@@ -45,6 +52,7 @@ def test_committed_notebook_has_its_outputs() -> None:
 
 
 def test_notebook_runs_top_to_bottom() -> None:
+    committed = nbformat.read(NOTEBOOK, as_version=4)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -52,3 +60,8 @@ def test_notebook_runs_top_to_bottom() -> None:
     NotebookClient(nb, timeout=120, kernel_name="python3", extra_arguments=["--log-level=ERROR"],
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
     check(nb)
+    # Every cell prints what the committed file shows (a stale output fails, not only a
+    # missing claim): e.g. a read_file error the tool no longer gives.
+    for i, (old, new) in enumerate(zip(committed.cells, nb.cells, strict=True)):
+        if new.cell_type == "code":
+            assert stable(new) == stable(old), f"cell {i}: committed output is stale"
