@@ -66,3 +66,12 @@ def test_links_go_to_the_page_that_includes_their_target() -> None:
         site.links("[x](notebooks/gone.ipynb)", "README.md", "index.md", "w")
     with pytest.raises(hooks.IncludeError, match="0 headings"):
         site_of({"x.md": '<!-- include: README.md "No such heading" -->'})
+
+
+def test_the_pages_code_is_the_readmes() -> None:
+    """The pages hold no code blocks of their own: their examples are the README's, which
+    tests/test_readme.py runs, included by the hook."""
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    assert len(pages) >= 10 and any("<!-- include: README.md" in p.read_text() for p in pages)
+    own = [str(p.relative_to(ROOT)) for p in pages if "```" in p.read_text()]
+    assert own == [], f"code blocks in docs pages (put them in the README and include it): {own}"
