@@ -7,11 +7,11 @@ its outputs and is not rewritten here.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from support import assert_outputs_current
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "langchain_adapter.ipynb"
 
@@ -42,11 +42,6 @@ def check(nb: nbformat.NotebookNode) -> None:
     assert "released 2 slots" in outputs
 
 
-def stable(cell: nbformat.NotebookNode) -> str:
-    """A cell's text output with what changes from run to run (``idle_s``'s seconds) blanked."""
-    return re.sub(r"\d+\.\d+", "<n>", text_of(cell))
-
-
 def test_committed_notebook_has_its_outputs() -> None:
     check(nbformat.read(NOTEBOOK, as_version=4))
 
@@ -60,8 +55,4 @@ def test_notebook_runs_top_to_bottom() -> None:
     NotebookClient(nb, timeout=120, kernel_name="python3", extra_arguments=["--log-level=ERROR"],
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
     check(nb)
-    # Every cell prints what the committed file shows (a stale output fails, not only a
-    # missing claim): e.g. a read_file error the tool no longer gives.
-    for i, (old, new) in enumerate(zip(committed.cells, nb.cells, strict=True)):
-        if new.cell_type == "code":
-            assert stable(new) == stable(old), f"cell {i}: committed output is stale"
+    assert_outputs_current(committed, nb)  # e.g. a read_file error the tool no longer gives
