@@ -67,7 +67,7 @@ def openai_tools(api: Api = "chat", strict: bool = True) -> list[dict[str, Any]]
     Raises:
         UsageError: ``api`` is neither ``"chat"`` nor ``"responses"``.
 
-    Example:
+    Examples:
         >>> [t["function"]["name"] for t in openai_tools("chat")]
         ['bash', 'read_file', 'write_file']
         >>> openai_tools("responses")[0]["parameters"]["additionalProperties"]

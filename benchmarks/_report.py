@@ -180,6 +180,53 @@ def render_top_table(rep: dict[str, Any]) -> str:
             "[benchmarks/README.md](benchmarks/README.md)."])
 
 
+
+def render_load_paragraph(rep: dict[str, Any]) -> str:
+    """The top-level README's paragraph on the full load run (load.py's part of the report)."""
+    ld = dig(rep, "load.result") or {}
+    lat, own, mem = ld["latency_ms"], ld["agent_ms"], ld["mem"]
+    left = "nothing left after `stop()`" if ld["clean"] else f"left after `stop()`: {ld['leftovers']}"
+    return (
+        f"Full load (`.venv/bin/python benchmarks/load.py`, about {ld['total_s'] / 60:.0f} minutes on "
+        f"the same VM; part of\nthe run above): {ld['status']['total_slots']:,} live slots "
+        f"({ld['sandboxes']} sandboxes x {ld['slots_per_sandbox']}), {ld['trajectories']:,} "
+        f"trajectories x {ld['steps']} steps of\nmixed work (builtins, `python3 -c`, `write_file` "
+        f"then `cat`, failures, 1 timeout in {ld['timeout_every']}\nsteps), every output checked for "
+        f"its trajectory, step and slot: {ld['calls']:,} calls in {ld['wall_s']:.0f} s\n"
+        f"({ld['calls_per_s']:,.0f} calls/s) with {ld['lost']} lost, {ld['misrouted']} misrouted, "
+        f"{ld['wrong']} wrong; latency per trajectory step p50 {lat['p50'] / 1e3:.1f} s,\n"
+        f"p99 {lat['p99'] / 1e3:.1f} s, p99.9 {lat['p99.9'] / 1e3:.1f} s (2 cores are far past "
+        f"capacity, so most of it is waiting for\nadmission; a command's own run time is p50 "
+        f"{own['p50']:.0f} ms, p99 {own['p99'] / 1e3:.1f} s); peak PSS "
+        f"{mem['pss_peak_mib']:,.0f} MiB\n({mem['pss_peak_mib_per_slot']:.2f} MiB per slot); "
+        f"{left}.")
+
+
+def render_compare_row(rep: dict[str, Any]) -> str:
+    """The README's comparison table row of warm round trips (median, from the latency section)."""
+    lat = {k: v["ms"]["p50"] for k, v in (dig(rep, "latency.systems") or {}).items() if v.get("n")}
+
+    def ms(k: str) -> str:
+        v = lat[k]
+        return f"{v:.2f} ms" if v < 1 else f"{v:.0f} ms"
+    return (f"| warm command round trip (this machine) | {ms('ours_local')} local, "
+            f"{ms('ours_modal')} Modal driver* | {ms('exec_original')}* | {ms('swerex')} | "
+            f"{ms('langchain_modal')}* | {ms('exec_original')}* |")
+
+
+def readme_figures(rep: dict[str, Any]) -> list[str]:
+    """Every text of the top-level README that is made from the report, verbatim: the headline
+    table with the run it came from, the full-load paragraph and the comparison row (the last
+    two only when the run measured them: a partial run has neither)."""
+    out = [render_top_table(rep)]
+    if dig(rep, "load.result.latency_ms") is not None:
+        out.append(render_load_paragraph(rep))
+    systems = dig(rep, "latency.systems") or {}
+    if all(dig(systems, f"{k}.ms.p50") is not None
+           for k in ("ours_local", "ours_modal", "exec_original", "swerex", "langchain_modal")):
+        out.append(render_compare_row(rep))
+    return out
+
 PEERS = """\
 - **ours, local driver**: `ToolBackend(SandboxConfig(...))`, one persistent shell per slot in a
   bubblewrap sandbox, commands through `execute_batch`.

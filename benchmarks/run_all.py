@@ -63,6 +63,7 @@ from _report import (  # noqa: E402
     SYSTEMS,  # noqa: F401 - the tests read it from here
     headline,
     md_table,
+    readme_figures,
     render_readme,
     render_top_table,
 )
@@ -233,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n---- table for the top-level README (from report.json) ----")
     print(render_top_table(rep))
     print("---- end of the table for the top-level README ----")
+    # The README's other figures from this run (tests/test_run_all.py checks them there).
+    print("\n\n".join(readme_figures(rep)[1:]))
     print(f"total wall time: {rep['run']['wall_s']:.0f} s")
     return 0 if not rep.get("errors") and not rep["processes_left"] else 1
 

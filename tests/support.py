@@ -277,3 +277,24 @@ def executed_notebook(path: Any, timeout: float = 120) -> Any:
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(Path(path).parent)}}).execute()
     return nb
+
+
+def _stable_output(cell: Any) -> str:
+    """A code cell's text output with what changes from run to run blanked: decimals
+    (timings, idle seconds) and a local server's port."""
+    import re
+
+    text = "".join(out.get("text", "") or out.get("data", {}).get("text/plain", "")
+                   for out in cell.get("outputs", []))
+    return re.sub(r"\d+\.\d+", "<n>", re.sub(r"127\.0\.0\.1:\d+", "<addr>", text))
+
+
+def assert_outputs_current(committed: Any, fresh: Any) -> None:
+    """Every code cell of a freshly executed notebook prints what the committed one shows
+    (:func:`_stable_output`), so an output the code no longer gives fails, not only a
+    missing claim."""
+    assert len(committed.cells) == len(fresh.cells)
+    for i, (old, new) in enumerate(zip(committed.cells, fresh.cells, strict=True)):
+        if new.cell_type == "code":
+            assert _stable_output(new) == _stable_output(old), (
+                f"cell {i}: the committed output is stale; re-execute the notebook")

@@ -1,5 +1,6 @@
 """benchmarks/run_all.py: a tiny run writes the report, the plots and the README; and the
-committed benchmarks/README.md is exactly what the committed report.json renders to."""
+committed benchmarks/README.md is exactly what the committed report.json renders to, and so
+are the figures of the top-level README that come from it."""
 
 from __future__ import annotations
 
@@ -68,3 +69,17 @@ def test_committed_readme_matches_committed_report():
     for name in PLOTS:
         assert (BENCH / "results" / name).read_bytes().startswith(PNG_SIGNATURE), name
         assert f"](results/{name})" in readme, name
+
+
+def test_top_level_readme_figures_are_the_committed_reports():
+    """The README's headline table (with the run that made it), its full-load paragraph and
+    its comparison row are, verbatim, what benchmarks/results/report.json renders to: a
+    stale figure, or one edited by hand, fails here."""
+    rep = json.loads((BENCH / "results" / "report.json").read_text())
+    readme = (BENCH.parent / "README.md").read_text()
+    figures = run_all.readme_figures(rep)
+    assert len(figures) == 3  # the committed run measured all of them
+    for text in figures:
+        assert text in readme, (
+            "README.md does not hold this text that benchmarks/results/report.json renders to "
+            f"(rerun benchmarks/run_all.py and paste what it prints):\n{text}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from support import committed_notebook, notebook_text
+from support import assert_outputs_current, committed_notebook, notebook_text
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "hermes_adapter.ipynb"
 
@@ -30,9 +30,11 @@ def test_notebook_is_committed_with_outputs() -> None:
 
 def test_notebook_runs() -> None:
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    committed = nbformat.read(NOTEBOOK, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []
     NotebookClient(nb, timeout=60, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on error
     check_story(notebook_text(nb))
+    assert_outputs_current(committed, nb)

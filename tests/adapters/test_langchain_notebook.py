@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from support import assert_outputs_current
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "langchain_adapter.ipynb"
 
@@ -36,6 +37,7 @@ def check(nb: nbformat.NotebookNode) -> None:
     assert "--- bash -> /data/slot_1\ncat: proj/app.py: No such file or directory\n[exit code 1]" in outputs
     # ... and failures are tool output.
     assert "[exit code 124: command timed out after 1s" in outputs
+    assert "--- read_file -> Error: no such file: /data/slot_0/proj/missing.txt" in outputs
     assert "(124, True)" in outputs
     assert "released 2 slots" in outputs
 
@@ -45,6 +47,7 @@ def test_committed_notebook_has_its_outputs() -> None:
 
 
 def test_notebook_runs_top_to_bottom() -> None:
+    committed = nbformat.read(NOTEBOOK, as_version=4)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -52,3 +55,4 @@ def test_notebook_runs_top_to_bottom() -> None:
     NotebookClient(nb, timeout=120, kernel_name="python3", extra_arguments=["--log-level=ERROR"],
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
     check(nb)
+    assert_outputs_current(committed, nb)  # e.g. a read_file error the tool no longer gives

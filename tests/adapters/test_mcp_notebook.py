@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support import committed_notebook, executed_notebook, notebook_text
+from support import (
+    assert_outputs_current,
+    committed_notebook,
+    executed_notebook,
+    notebook_text,
+)
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "mcp_server.ipynb"
 
@@ -29,4 +34,6 @@ def test_notebook_is_committed_with_outputs() -> None:
 
 
 def test_notebook_runs() -> None:
-    check(notebook_text(executed_notebook(NOTEBOOK)))
+    nb = executed_notebook(NOTEBOOK)
+    check(notebook_text(nb))
+    assert_outputs_current(committed_notebook(NOTEBOOK), nb)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from support import assert_outputs_current
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "openai_adapter.ipynb"
 
@@ -26,6 +27,7 @@ def test_notebook_is_committed_with_outputs() -> None:
 
 
 def test_notebook_runs() -> None:
+    committed = nbformat.read(NOTEBOOK, as_version=4)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=60, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on error
@@ -34,3 +36,4 @@ def test_notebook_runs() -> None:
     assert "assistant: I wrote and ran proj/hello.py" in text
     assert "hello from the sandbox\n[exit code 0]" in text
     assert "requests served: 4" in text
+    assert_outputs_current(committed, nb)
