@@ -20,17 +20,17 @@ ROOTS = {"hermes_modal_tool": REPO / "hermes_modal_tool", "hermes_modal_tool.ada
 P = "hermes_modal_tool."
 #: The layers, top to bottom; a module may import its own layer and the ones below.
 LAYERS = [
-    ("front", ["hermes_modal_tool", P + "adapters", P + "cli", P + "mcp_server", P + "_mcp_auth",
+    ("front", ["hermes_modal_tool", P + "__main__", P + "adapters", P + "cli", P + "mcp_server", P + "_mcp_auth",
                P + "testing"]),
     ("sessions/backend", [P + m for m in (
         "sessions", "capture", "backend", "_artifact_api", "_snapshot_api", "_status_api",
         "filetransfer", "processes", "shared_setup", "snapshots", "sandbox_images", "transfer",
         "streaming", "status", "_backend_view")]),
-    ("pool", [P + m for m in ("pool", "_pool_status", "_pool_usage", "resets", "_slot_record")]),
+    ("pool", [P + m for m in ("pool", "_pool_status", "_pool_usage", "_pool_pick", "resets", "_slot_record")]),
     ("sandbox", [P + "sandbox"]),
     ("drivers", [P + "drivers", P + "images"]),
     ("config and shared types", [P + m for m in (
-        "config", "profiles", "volumes", "gpus", "secrets", "slots", "usage", "tools", "portal",
+        "config", "profiles", "volumes", "gpus", "secrets", "slots", "usage", "tools", "portal", "loops",
         "tracing", "_version")]),
     ("agent", [P + "agent"]),
     ("protocol/errors", [P + m for m in ("protocol", "deadlines", "errors")]),
