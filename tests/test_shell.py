@@ -204,7 +204,17 @@ async def test_exit_gives_a_fresh_shell_next_time(backend, slot):
 
 async def test_shell_killing_itself_is_reported_and_recovered(backend, slot):
     r = await bash(backend, slot, "kill -9 $$")
-    assert not r.success and r.returncode not in (0, None)
+    assert not r.success and r.returncode == 137 and "killed by signal 9" in r.error, r
+    assert (await bash(backend, slot, "echo back")).output == "back\n"
+
+
+async def test_shell_exit_above_128_is_an_exit_not_a_signal(backend, slot):
+    """bwrap reports its child's death by signal N as 128+N, but only N up to 64 is a
+    signal: a shell's own ``exit 200`` (or bash's 254 when it cannot fork) is an exit
+    code (once reported as "killed by signal 72")."""
+    r = await bash(backend, slot, "exit 200")
+    assert not r.success and r.returncode == 200, r
+    assert "exited" in r.error and "signal" not in r.error, r.error
     assert (await bash(backend, slot, "echo back")).output == "back\n"
 
 

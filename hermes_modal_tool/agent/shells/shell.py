@@ -292,8 +292,10 @@ class Shell(ShellStart, ShellProcesses):
                           "(exported variables and functions were lost)")
         elif not ended:
             status = self.exit_status
-            if status is not None and status > 128 and self.slot.agent.isolation == "bwrap":
-                status = 128 - status  # bwrap reports its child's death by signal N as 128+N
+            if status is not None and 128 < status <= 128 + 64 and self.slot.agent.isolation == "bwrap":
+                # bwrap reports its child's death by signal N (1..64) as 128+N; above that
+                # it is the shell's own exit code (bash's 254 when it cannot fork, say).
+                status = 128 - status
             if status is not None and status < 0:
                 error = "the shell was killed by signal %d" % -status
                 rc = 128 - status
