@@ -103,7 +103,7 @@ async def agents_quiet(since: float, limit_s: float = 30.0, window_s: float = 0.
     in the measured rounds. So: at least that long after ``since`` (a ``perf()`` reading
     taken before the warm-up), then until the agents use less than ``cores`` of a core
     over ``window_s`` (at most ``limit_s`` after ``since``). Returns the seconds waited."""
-    from hermes_modal_tool.agent.quiet import BUDGET_S
+    from hermes_modal_tool.agent.limits.quiet import BUDGET_S
 
     t0 = perf()
     await asyncio.sleep(max(0.0, since + BUDGET_S + 0.5 - perf()))

@@ -39,14 +39,18 @@ import ctypes
 import errno
 import fcntl
 import os
+import random
 import shutil
 import struct
 import subprocess
 import threading
+import time
 
 from . import mounts, trees
 
 LOOP_CTL_GET_FREE = 0x4C82
+#: How long :func:`attach_loop` keeps asking for a free loop device while others take them.
+LOOP_ATTACH_S = 10.0
 LOOP_CONFIGURE = 0x4C0A
 LO_FLAGS_AUTOCLEAR = 4
 #: ``struct loop_config``: fd, block_size, ``struct loop_info64`` (232 bytes), 8 reserved u64.
@@ -316,7 +320,13 @@ def attach_loop(fd):
         info = bytearray(232)
         struct.pack_into("=I", info, _LO_FLAGS_OFFSET, LO_FLAGS_AUTOCLEAR)
         cfg = _LOOP_CONFIG.pack(fd, 0, bytes(info), bytes(64))
-        for _ in range(64):  # another process may take the free one first (EBUSY)
+        # Every agent (and each of its threads) asks for the same first free device at
+        # once: all but one get EBUSY and ask again. Under many concurrent slot starts
+        # (32 sandboxes starting 128 slots) a fixed count of tries ran out; a bounded time
+        # with a random back-off that grows with the tries spreads the contenders.
+        deadline = time.monotonic() + LOOP_ATTACH_S
+        tries = 0
+        while True:
             n = fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)
             dev = "/dev/loop%d" % n
             try:
@@ -331,7 +341,11 @@ def attach_loop(fd):
                 os.close(lfd)
                 if exc.errno != errno.EBUSY:
                     raise OSError(exc.errno, "LOOP_CONFIGURE %s: %s" % (dev, exc.strerror)) from None
-        raise OSError(errno.EBUSY, "no free loop device after 64 tries")
+            tries += 1
+            if time.monotonic() > deadline:
+                raise OSError(errno.EBUSY, "no free loop device after %d tries in %gs (other "
+                                           "processes took each one first)" % (tries, LOOP_ATTACH_S))
+            time.sleep(random.random() * min(0.0005 * tries, 0.02))
     finally:
         os.close(ctl)
 
