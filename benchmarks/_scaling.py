@@ -194,6 +194,9 @@ def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             row["floor_calls_per_s"] = floor["calls_per_s"]
             row["ratio"] = row["calls_per_s"] / floor["calls_per_s"]
             row["floor_cpu_us_per_call"] = floor["cpu_us_per_call"]
+            # Each row as soon as it is measured: a later count that fails loses none.
+            print(f"  .. s. row: {n} sandbox(es), {row['loop']}: {row['calls_per_s']:,.0f} calls/s, floor "
+                  f"{floor['calls_per_s']:,.0f}, ratio {row['ratio']:.3f}", flush=True)
         rows += mine
     return {"slots": slots, "max_sandboxes": max_sandboxes, "rounds": rounds, "runs": runs,
             "nproc": len(os.sched_getaffinity(0)), "loadavg": os.getloadavg(),
