@@ -116,7 +116,7 @@ async def test_the_sandbox_state_and_each_slots_layers_are_spread(make_backend) 
 
 SHARED_CHILD = textwrap.dedent("""
     import os, signal, sys, tempfile
-    from hermes_modal_tool.agent import mounts
+    from hermes_modal_tool.agent.fs import mounts
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     src, dst = tempfile.mkdtemp(), tempfile.mkdtemp()
     open(os.path.join(src, "f"), "w").close()
@@ -162,7 +162,7 @@ def test_userns_fd_falls_back_to_a_fork_when_no_shared_child_can_be_made(monkeyp
 
 SLOT_ROOTS = textwrap.dedent("""
     import os, stat, tempfile
-    from hermes_modal_tool.agent import mounts, rootfs, rootplan
+    from hermes_modal_tool.agent.fs import mounts, rootfs, rootplan
     top = tempfile.mkdtemp()
     img = os.path.join(top, "img")
     for d in ("etc/apt/apt.conf.d", "srv", "tmp"):

@@ -123,7 +123,7 @@ async def test_a_killed_agent_takes_its_shells_with_it(make_backend):
 
 CHECK_MOVES = """
 import os, sys
-from hermes_modal_tool.agent import threadstart
+from hermes_modal_tool.agent.shells import threadstart
 dirs = sys.argv[1:]
 own = threadstart._own_tasks_fds()
 threadstart._check_thread_moves([os.path.join(d, "tasks") for d in dirs], own)

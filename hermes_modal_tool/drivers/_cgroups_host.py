@@ -2,8 +2,8 @@
 cgroup (a normal user under systemd, cgroup v2), the one warning where slots fall back
 to rlimits, and the removal of a sandbox's cgroups after its agent exited.
 
-Where each agent puts its cgroups: :mod:`hermes_modal_tool.agent.cgroups` (v1) and
-:mod:`hermes_modal_tool.agent.cgroupv2`.
+Where each agent puts its cgroups: :mod:`hermes_modal_tool.agent.limits.cgroups` (v1) and
+:mod:`hermes_modal_tool.agent.limits.cgroupv2`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """OCI images for the local driver: read, pull, unpack and cache them.
 
 The local driver makes a profile's ``image`` the read-only lower layer of every slot's
-root (see :mod:`hermes_modal_tool.agent.rootfs`). :class:`ImageCache` turns an ``image``
+root (see :mod:`hermes_modal_tool.agent.fs.rootfs`). :class:`ImageCache` turns an ``image``
 string into an unpacked root filesystem, cached by digest for the whole machine.
 """
 
