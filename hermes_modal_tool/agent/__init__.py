@@ -53,9 +53,10 @@ def _imports(tree: ast.Module, name: str, is_pkg: bool) -> set[str]:
 
 @functools.lru_cache(maxsize=1)
 def _bundle_modules() -> tuple[tuple[str, str | None, str | None, ast.Module | None], ...]:
-    """The modules sent into the sandbox, derived from the package: every module under
-    ``hermes_modal_tool/agent/`` (its subpackages too) and every ``hermes_modal_tool``
-    module they import (``protocol``, ``deadlines``), dependencies first (the import
+    """The modules sent into the sandbox, derived from the package: ``agent.main`` and
+    every module it imports, transitively (under ``hermes_modal_tool/agent/`` and its
+    subpackages, and the ``hermes_modal_tool`` modules they import: ``protocol``,
+    ``deadlines``; a file nothing imports is not sent), dependencies first (the import
     graph's topological order, imports inside functions counted), each package before
     its modules. Shape: ``((module_name, path_relative_to_the_package, source, tree),
     ...)``, the source headed by a comment naming the file, parsed once (the tree is what
@@ -78,7 +79,10 @@ def _bundle_modules() -> tuple[tuple[str, str | None, str | None, ast.Module | N
                 stem = entry.name[:-3]
                 files[pkg if stem == "__init__" else pkg + "." + stem] = rel + "/" + entry.name
     deps: dict[str, set[str]] = {}
-    todo = [m for m in files if m != "hermes_modal_tool.agent"]
+    # What ``main`` imports, and what they import (inside functions too): a file under
+    # agent/ that nothing imports (a stale one an old install left, or a module not yet
+    # wired) is not sent, and cannot break the agent's start.
+    todo = ["hermes_modal_tool.agent.main"]
     while todo:
         name = todo.pop()
         if name in deps:
