@@ -167,3 +167,35 @@ async def driver_backend(make_backend: BackendFactory, driver: str, request: pyt
             await asyncio.wait_for(backend.stop(), 60)
             for name in backend.profiles:
                 assert not running_sandboxes(server, name), f"sandboxes of {name} left running"
+
+
+# -- running in parallel (pytest-xdist; scripts/test.sh runs the suite with -n) ------------
+#: Test files that take the longest, slowest first (measured: --durations, junitxml). Under
+#: xdist (``--dist loadfile --no-loadscope-reorder``: each file on one worker, so a
+#: module-scoped fixture such as the built wheel or an image is made once) they are handed
+#: out first, so that the run does not end with one worker still on a minute-long file
+#: while the other is idle; the other files keep the collection order.
+SLOW_FIRST = (
+    "tests/test_cli_fork.py",                   # the GRPO example: ~45 s idle, 4 min loaded
+    "tests/security/test_attack_stalls.py",
+    "tests/security/test_attack_round_two.py",
+    "tests/security/test_attack_resources.py",
+    "tests/security/test_attack_on_image.py",   # module-scoped images
+    "tests/test_wheel.py",                      # build, a fresh venv, round trips
+    "tests/test_run_all.py",                    # the benchmarks' smoke run
+    "tests/security/test_attack_forks.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: the files of ``SLOW_FIRST`` first, in its order (every worker
+    collects the same order, which the scheduler hands out); a run in one process keeps the
+    collection order."""
+    if not hasattr(config, "workerinput"):
+        return
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+    items.sort(key=rank)  # stable: the collection order within each rank
