@@ -181,9 +181,11 @@ SLOW_FIRST = (
     "tests/security/test_attack_round_two.py",
     "tests/security/test_attack_resources.py",
     "tests/security/test_attack_on_image.py",   # module-scoped images
+    "tests/adapters/test_mcp.py",               # CLI subprocesses, a module-scoped server
     "tests/test_wheel.py",                      # build, a fresh venv, round trips
     "tests/test_run_all.py",                    # the benchmarks' smoke run
     "tests/security/test_attack_forks.py",
+    "tests/faults/test_faults.py",
 )
 
 
