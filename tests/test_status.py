@@ -8,7 +8,10 @@ from rich.console import Console
 from hermes_modal_tool.status import status_rows, status_table
 
 
-async def test_print_shows_the_status_table_with_headers_that_explain_it(backend, capsys):
+async def test_print_shows_the_status_table_with_headers_that_explain_it(backend, capsys, monkeypatch):
+    # The table fills the terminal's width (120 columns without one): give it 120, whatever
+    # runs the suite (an 80-column terminal, an xdist worker) squeezes the headers otherwise.
+    monkeypatch.setenv("COLUMNS", "120")
     slot = await backend.acquire("t1")
     await backend.execute_batch([(slot, "bash", {"command": "true"}), (slot, "bash", {"command": "false"})])
     status = backend.get_status()
