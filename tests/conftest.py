@@ -176,6 +176,7 @@ async def driver_backend(make_backend: BackendFactory, driver: str, request: pyt
 #: out first, so that the run does not end with one worker still on a minute-long file
 #: while the other is idle; the other files keep the collection order.
 SLOW_FIRST = (
+    "tests/test_ray_driver.py",                 # a two-node Ray cluster: ~40 s to start, 2-3 min
     "tests/test_cli_fork.py",                   # the GRPO example: ~45 s idle, 4 min loaded
     "tests/security/test_attack_stalls.py",
     "tests/security/test_attack_round_two.py",
@@ -184,6 +185,7 @@ SLOW_FIRST = (
     "tests/adapters/test_mcp.py",               # CLI subprocesses, a module-scoped server
     "tests/test_wheel.py",                      # build, a fresh venv, round trips
     "tests/test_run_all.py",                    # the benchmarks' smoke run
+    "tests/test_docs.py",                       # mkdocs build --strict
     "tests/security/test_attack_forks.py",
     "tests/faults/test_faults.py",
 )
