@@ -149,7 +149,8 @@ async def test_command_router_checks_its_jwt_and_unknown_rpcs_are_unimplemented(
             await router.TaskExecPoll(poll, metadata={"authorization": f"Bearer {access.jwt}"})
         assert missing.value.status == Status.NOT_FOUND
         with pytest.raises(grpclib.GRPCError) as unknown:
-            await control.VolumeGetOrCreate(api_pb2.VolumeGetOrCreateRequest(deployment_name="v"),
-                                            metadata=token_metadata(server))
+            # (Volumes are implemented now: tests/test_modal_volumes.py; queues are not.)
+            await control.QueueGetOrCreate(api_pb2.QueueGetOrCreateRequest(deployment_name="q"),
+                                           metadata=token_metadata(server))
         assert unknown.value.status == Status.UNIMPLEMENTED
-        assert "VolumeGetOrCreate not implemented" in (unknown.value.message or "")
+        assert "QueueGetOrCreate not implemented" in (unknown.value.message or "")

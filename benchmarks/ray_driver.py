@@ -20,7 +20,7 @@ tried only when ``runsc`` is on PATH; else the line says it was not run.
 
 Usage::
 
-    .venv/bin/python benchmarks/ray.py [--starts 3] [--echoes 300] [--rounds 300]
+    .venv/bin/python benchmarks/ray_driver.py [--starts 3] [--echoes 300] [--rounds 300]
 """
 
 from __future__ import annotations
@@ -40,11 +40,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HERMES_MODAL_TOOL_REGISTRY_IMAGES", "host")
 
-# This file is named ray.py: Python puts its directory first on sys.path, where it would
-# shadow the ray package. Import the package with that directory left out, then add it back
-# for the benchmarks' helpers.
+# (Not named ray.py: a module of that name in benchmarks/ shadowed the ray package for every
+# test process that puts benchmarks/ on sys.path, and the Ray tests were skipped.)
 HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != HERE]
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
