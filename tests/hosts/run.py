@@ -61,7 +61,10 @@ USER = 1000
 CELL = r"""
 set -u
 cd {repo}
-# Under emulation (TCG) a sandbox start takes minutes and a command seconds.
+# Under emulation (TCG) a sandbox start takes minutes and a command seconds: the main job's
+# per-call timeout (30 s, the profile default) is scaled like the tests' (a call's own
+# timeout, the scenarios that must time out, stays as written). Unscaled, 154 of its 544
+# calls timed out in the v2-root cell and all 64 trajectories failed.
 export HERMES_MODAL_TOOL_START_TIMEOUT_S={start_s} HMT_TEST_TIME_SCALE={scale}
 echo "HOSTS-KERNEL $(uname -r) $(stat -fc %T /sys/fs/cgroup)"
 {prepare}
@@ -75,7 +78,7 @@ echo "HOSTS-PROBE-RC $?"
 tail -n 5 /tmp/probe.err
 if [ -z "{quick}" ]; then
   start=$(date +%s)
-  {run} {py} -m hermes_modal_tool batch --strict {main} -o /tmp/results.jsonl > /tmp/main.log 2>&1
+  {run} {py} -m hermes_modal_tool batch --strict --timeout {call_s} {main} -o /tmp/results.jsonl > /tmp/main.log 2>&1
   echo "HOSTS-MAIN-RC $? $(( $(date +%s) - start ))s"
   echo "HOSTS-MAIN-TRAJECTORIES $(wc -l < /tmp/results.jsonl)"
   tail -n 4 /tmp/main.log
@@ -129,7 +132,8 @@ def cell_script(cell: str, quick: bool) -> str:
                f"-E HERMES_MODAL_TOOL_START_TIMEOUT_S={start_s} -E HMT_TEST_TIME_SCALE={scale} --")
         prepare = USER_PREPARE.format(uid=USER) + SYSTEMD_PREPARE.format(uid=USER)
     return CELL.format(repo=REPO, prepare=prepare, run=run, quick="1" if quick else "",
-                       main=MAIN, tests=TESTS, py=PY, scale=scale, start_s=start_s, test_s=300 * scale)
+                       main=MAIN, tests=TESTS, py=PY, scale=scale, start_s=start_s, test_s=300 * scale,
+                       call_s=30 * scale)
 
 
 def run_cell(cell: str, quick: bool, timeout_s: float) -> dict:
