@@ -225,7 +225,7 @@ def _local_driver(options: dict[str, Any]) -> LocalDriver:
 
 
 def _remove_tree(path: os.PathLike[str] | str) -> None:
-    from ..agent.trees import remove_tree
+    from ..agent.fs.trees import remove_tree
 
     remove_tree(str(path))
 

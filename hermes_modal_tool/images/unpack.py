@@ -10,7 +10,7 @@ Each layer is a tar (plain, gzip or zstd), applied in order over the layers belo
 - hard links point at a path of the image.
 
 No name of a layer is ever resolved through the host's file system: every entry is made
-relative to a descriptor of the root (:class:`..agent.beneath.Tree`): parents with
+relative to a descriptor of the root (:class:`..agent.fs.beneath.Tree`): parents with
 ``openat2(RESOLVE_IN_ROOT)`` (a symlink ``/etc -> /host`` in a layer is followed as
 ``ROOT/host``), the last component never followed (a duplicate name replaces what was
 there, whiteouts and opaque markers delete only inside the root); names with ``..`` are
