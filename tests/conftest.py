@@ -199,6 +199,7 @@ ALONE = (
     "tests/adapters/test_mcp.py::test_http_tools_shell_and_errors",
     "tests/adapters/test_mcp.py::test_http_requires_the_bearer_token_before_any_tool_runs",
     "tests/faults/test_modal_faults.py::test_modal_sandboxes_of_a_killed_owner_end_themselves",
+    "tests/security/test_attack_resources.py::test_a_process_filling_dev_shm_after_its_command_returned_is_held",
     "tests/security/test_attack_round_two.py::test_nothing_a_tenant_started_outlives_its_release",
     "tests/test_deadlines.py::test_due_callbacks_run_in_order_and_dropped_ones_never",
     "tests/test_gpu_slots.py::test_gpu_processes_per_slot_in_status_and_killed_on_release",
