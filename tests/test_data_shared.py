@@ -7,28 +7,11 @@ from __future__ import annotations
 import hashlib
 import os
 
-import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support import bash
-
-from hermes_modal_tool import tracing
-
-
-@pytest.fixture
-def spans():
-    """The spans the engine ends (the SDK's in-memory exporter, a provider of the test's own)."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.set_tracer(provider.get_tracer(tracing.SCOPE))
-    yield exporter
-    tracing.set_tracer(None)
-    provider.shutdown()
+from test_tracing import spans  # noqa: F401  (the in-memory span exporter fixture)
 
 
-async def test_transfer_spans_and_usage_on_each_driver(driver_backend, spans, tmp_path):
+async def test_transfer_spans_and_usage_on_each_driver(driver_backend, spans, tmp_path):  # noqa: F811
     data = os.urandom(1_500_000)  # several chunks
     (tmp_path / "in.bin").write_bytes(data)
     backend = await driver_backend(slots_per_sandbox=2)
