@@ -85,8 +85,11 @@ if [ -z "{quick}" ]; then
   cp /tmp/results.jsonl /hmt-out/results.jsonl 2>/dev/null
   {py} -c 'import json, sys
 bad = [json.loads(line) for line in open("/tmp/results.jsonl") if not json.loads(line).get("ok")]
-for r in bad[:5]:
-    print("HOSTS-MAIN-BAD", r.get("id"), str(r.get("error"))[:300], str(r.get("mismatches"))[:600])'
+for r in bad[:8]:
+    steps = [(i, s) for i, s in enumerate(r.get("steps") or []) if not s.get("expectation_met")]
+    print("HOSTS-MAIN-BAD", r.get("id"), r.get("error"), [
+        (i, s["tool"], s["returncode"], s["timed_out"], s["duration_s"], str(s["output"])[-200:])
+        for i, s in steps[:2]])'
 
   start=$(date +%s)
   {run} {py} -m pytest -q -p no:cacheprovider -o timeout={test_s} {tests} > /tmp/tests.log 2>&1
