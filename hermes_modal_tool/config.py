@@ -46,7 +46,7 @@ def network_mode(value: Any) -> Any:
     key = value.strip().lower() if isinstance(value, str) else value
     if isinstance(key, (bool, str)) and key in NETWORK_ALIASES:
         return NETWORK_ALIASES[key]
-    raise ValueError(f"network must be 'none', 'egress' or 'host' (or true/false), got {value!r:.80}")
+    raise ValueError("network must be 'none', 'egress' or 'host' (or true/false)")
 
 
 class EgressOptions(BaseModel):

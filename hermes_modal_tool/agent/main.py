@@ -210,7 +210,8 @@ class Agent(Setup, Calls, DiskWatch):
         def answer():  # once the old tenant's processes are killed, or at the end (slot.reset)
             if not answered:
                 answered.append(True)
-                self.send({"id": mid, "ok": True, "result": {}})
+                self.send({"id": mid, "ok": True, "result": self.net.reset_result(slot.index)
+                           if self.net is not None else {}})
 
         try:
             await slot.reset(on_killed=answer)

@@ -105,8 +105,10 @@ async def test_egress_allows_listed_names_and_refuses_the_rest(egress: Any) -> N
     for v in verdicts[3:7]:  # a raw IP, private, metadata, the host's own address
         assert refused_fast(v), verdicts
     assert verdicts[7].split()[0] == "ConnectionRefusedError", verdicts  # its own loopback only
-    status = backend.get_status()["pools"]["egress"]
-    assert status["network"] == "egress"
+    status = backend.get_status()
+    assert status["pools"]["egress"]["network"] == "egress" and status["network_refused"] == 0
+    await backend.release(slot)  # the tenant's refusals are counted as its slot is released
+    assert await settle(lambda: backend.get_status()["network_refused"] >= 5, 10), backend.get_status()
 
 
 async def test_slot_root_cannot_change_the_policy(egress: Any) -> None:

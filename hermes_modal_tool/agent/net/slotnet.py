@@ -210,6 +210,7 @@ class SandboxNet:
         self._pasta = None
         self.ip, self.nft = _tool("ip"), _tool("nft")
         self.refused_released = 0  # refusals of slots already released
+        self._released_counts = {}  # index -> the last tenant's refusals, until its reset answers
 
     @property
     def router_path(self):
@@ -303,6 +304,14 @@ class SandboxNet:
             connections = 0
         return {"names": net.resolver.refused, "connections": connections}
 
+    def reset_result(self, index):
+        """What a reset of slot ``index`` answers: ``{"network_refused": {"names": n,
+        "connections": n}}``, the refusals of the tenant it ends (read from the table while
+        it exists: one ``nft`` listing, a few ms; the host adds them to its pool's
+        ``network_refused``)."""
+        counts = self._released_counts.pop(index, None)
+        return {"network_refused": counts if counts is not None else self.refusals(index)}
+
     def release(self, index):
         """Remove slot ``index``'s table, veth pair and resolver and drop its namespace
         (the next tenant gets a new one). Blocking; idempotent."""
@@ -312,6 +321,7 @@ class SandboxNet:
                 return
             counts = self.refusals_of(net)
             self.refused_released += counts["names"] + counts["connections"]
+            self._released_counts[index] = counts
             net.resolver.close()
             self._drop(index, net.fd)
 
