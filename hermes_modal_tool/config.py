@@ -59,15 +59,15 @@ class EgressOptions(BaseModel):
     covers them. ``dns``: the resolver allowed names are asked of, ``"address"`` or
     ``"address:port"`` (IPv4); default: the first nameserver of the host's
     ``/etc/resolv.conf``. ``upstream``: how the sandbox's router namespace reaches the
-    network: ``"pasta"`` (user-mode, through the host's sockets) or ``"none"`` (attached
-    by the caller; tests). Checked by :class:`hermes_modal_tool.agent.net.policy.EgressPolicy`.
+    network: ``"slirp4netns"`` (user-mode, through the host's sockets; the host's loopback
+    not mapped) or ``"none"`` (attached by the caller; tests). Checked by :class:`hermes_modal_tool.agent.net.policy.EgressPolicy`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     allow: list[str] = Field(default_factory=list)
     deny: list[str] = Field(default_factory=list)
     dns: str | None = None
-    upstream: Literal["pasta", "none"] = "pasta"
+    upstream: Literal["slirp4netns", "none"] = "slirp4netns"
 
     @model_validator(mode="after")
     def _lists(self) -> EgressOptions:

@@ -10,10 +10,12 @@ read from the slot's side (what connected, how fast it failed) and from the host
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
+import threading
 from typing import Any
 
 import pytest
@@ -218,3 +220,46 @@ def _fds(pid: str) -> list[str]:
         return os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return []
+
+
+async def test_slirp4netns_upstream(make_backend: Any) -> None:
+    """The default upstream: the router reaches the host's network through slirp4netns
+    (no rule in the host's namespace). A CIDR in ``allow`` opens one of the host's own
+    addresses (refused by default); slirp4netns's alias of the host's loopback is not
+    mapped; slirp4netns ends with the sandbox."""
+    host = host_address()
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+
+    def echo_once() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(conn.recv(2))
+
+    threading.Thread(target=echo_once, daemon=True).start()
+    config = SandboxConfig(name="slirp", **{**SMALL, "max_sandboxes": 1}, network="egress",
+                           egress={"allow": [f"{host}/32"], "dns": "127.0.0.1"})
+    backend = await make_backend(config=config)
+    try:
+        slot = await backend.acquire("slirp")
+        verdicts = await probe(backend, slot, f"connect:{host}:{port}", f"connect:10.0.2.2:{port}")
+        router = router_of(backend)
+        assert "default via 10.0.2.2 dev tap0" in in_router(router, "ip", "route")
+        slirp = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).split(" ")[0].endswith("slirp4netns")
+                 and f"/proc/self/fd/{router.rsplit('/', 1)[1]}" in _cmdline(p)]
+    finally:
+        listener.close()
+    assert verdicts[0] == "ok hi", verdicts  # through slirp4netns to the host's address
+    assert refused_fast(verdicts[1]), verdicts
+    assert slirp, "no slirp4netns for the router"
+    await backend.stop()
+    assert await settle(lambda: not any(os.path.exists(f"/proc/{p}") and _cmdline(p) for p in slirp), 10)
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

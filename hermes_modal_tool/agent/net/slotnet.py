@@ -5,8 +5,9 @@ network namespace, where nothing of this is ever configured):
 
 - the sandbox's *router* namespace, made by the agent (``unshare(CLONE_NEWNET)`` in a
   throwaway thread, held by a descriptor) and owned by the agent's user namespace. It
-  reaches the network through ``pasta`` (user-mode: the host's own sockets, no rule
-  in the host) or, with ``upstream: none``, through whatever the caller attaches
+  reaches the network through ``slirp4netns`` (user-mode: the host's own sockets, no
+  rule in the host, the host's loopback not mapped) or, with ``upstream: none``,
+  through whatever the caller attaches
   (tests: the fake internet). It forwards and masquerades the slots' traffic;
 - one namespace per slot, made the same way, so owned by the agent's user namespace
   too: the slot's root (root only in the slot's own user namespace) has no
@@ -184,7 +185,7 @@ class SandboxNet:
     Args:
         options: the profile's ``egress`` mapping (``allow``, ``deny``: lists of CIDRs
             and name patterns; ``dns``: ``"address[:port]"`` or None for the host's
-            first nameserver; ``upstream``: ``"pasta"`` or ``"none"``).
+            first nameserver; ``upstream``: ``"slirp4netns"`` or ``"none"``).
         where: where ``options`` came from, for errors (the profile).
 
     Raises:
@@ -202,12 +203,12 @@ class SandboxNet:
             self.dns = (host, int(port or 53))
         else:
             self.dns = upstream_dns()
-        self.upstream = options.get("upstream") or "pasta"
+        self.upstream = options.get("upstream") or "slirp4netns"
         self.host = hostaddrs.host_addresses()  # read here, in the agent's (host's) namespace
         self.router = None  # (fd, inode)
         self.slots = {}
         self._lock = threading.Lock()
-        self._pasta = None
+        self._upstream = None
         self.ip, self.nft = _tool("ip"), _tool("nft")
         self.refused_released = 0  # refusals of slots already released
         self._released_counts = {}  # index -> the last tenant's refusals, until its reset answers
@@ -224,13 +225,30 @@ class SandboxNet:
             raise NetError("the router namespace is the agent's own")
         self._router("ip", "link", "set", "lo", "up")
         self._router("sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
-        if self.upstream == "pasta":
-            pasta = _tool("pasta")
-            self._pasta = subprocess.Popen(
-                [pasta, "--config-net", "--foreground", "--quiet", "--no-map-gw", "--netns-only",
-                 "--ipv4-only", "--netns", self.router_path],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                preexec_fn=_pdeathsig)
+        if self.upstream == "slirp4netns":
+            # The router's fd, inherited at its number: slirp4netns enters the namespace
+            # through /proc/self/fd/<n> (pasta cannot open its tap in a namespace it did
+            # not make when run as root). No mapping of the host's loopback (10.0.2.2).
+            ready_r, ready_w = os.pipe()
+            try:
+                self._upstream = subprocess.Popen(
+                    [_tool("slirp4netns"), "--configure", "--disable-host-loopback", "--mtu", "65520",
+                     "--ready-fd", str(ready_w), "--netns-type=path", "/proc/self/fd/%d" % fd, "tap0"],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    pass_fds=(fd, ready_w), preexec_fn=_pdeathsig)
+                os.close(ready_w)
+                ready_w = None
+                ready = os.read(ready_r, 1)  # "1" once tap0 is configured; EOF if it died
+            finally:
+                os.close(ready_r)
+                if ready_w is not None:
+                    os.close(ready_w)
+            if ready != b"1":
+                self._upstream.kill()
+                why = self._upstream.communicate(timeout=5)[1]
+                raise NetError("slirp4netns did not start for the sandbox's router: %s" % (
+                    why.decode("utf-8", "replace").strip()[-300:],))
+            self._upstream.stderr.close()
         return self
 
     def _router(self, *argv, text=None):
@@ -357,10 +375,10 @@ class SandboxNet:
                 self.release(index)
             except (NetError, OSError):
                 pass
-        if self._pasta is not None:
-            self._pasta.kill()
-            self._pasta.wait()
-            self._pasta = None
+        if self._upstream is not None:
+            self._upstream.kill()
+            self._upstream.wait()
+            self._upstream = None
         if self.router is not None:
             os.close(self.router[0])
             self.router = None
