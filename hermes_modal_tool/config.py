@@ -313,6 +313,12 @@ class SandboxConfig(BaseModel):
                 f"min_sandboxes ({self.min_sandboxes}) is greater than max_sandboxes ({self.max_sandboxes})")
         if self.volumes:
             check_volumes(self.volumes, self.workspace_base, self.driver)
+        if self.network == "egress" and self.driver == "modal":
+            raise ValueError("network: egress is enforced on the local driver only (so far); on "
+                             "modal use 'none' (block_network) or 'host'")
+        if self.network == "egress" and self.isolation == "none":
+            raise ValueError("network: egress needs isolation: bwrap (without it a slot runs with "
+                             "the agent's privileges and could leave its namespace)")
         return self
 
     def with_app_name(self: _Config, base_app: str | None = None, *,

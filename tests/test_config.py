@@ -483,3 +483,13 @@ def test_bad_egress_entry_is_named(tmp_path, egress, named):
     with pytest.raises(ConfigError) as exc:
         load(path)
     assert_names(exc, str(path), "web", "egress", named)
+
+
+def test_egress_on_modal_is_refused():
+    assert SandboxConfig(name="ok", network="egress").network == "egress"  # local: fine
+    with pytest.raises(ConfigError) as exc:
+        SandboxConfig(name="m", driver="modal", network="egress")
+    assert_names(exc, "'m'", "egress", "local driver")
+    with pytest.raises(ConfigError) as exc:
+        SandboxConfig(name="n", network="egress", isolation="none")
+    assert_names(exc, "'n'", "egress", "isolation: bwrap")
