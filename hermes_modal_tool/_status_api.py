@@ -26,13 +26,16 @@ class StatusMethods:
         (slots out of service because their reset failed: ``slot_id``, ``error``,
         ``attempts``, ``gave_up``; see ``resets.py``), ``snapshots`` (each live snapshot:
         id, profile, sandboxes holding a copy, ``size_bytes``, ``holders``), and per pool
-        the isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``).
+        the isolation and limit mode (``cgroup-v1``, ``cgroup-v2`` or ``rlimit``);
+        ``network_refused``: names answered NXDOMAIN and connections refused by the
+        ``network: egress`` policy, counted for each tenant when its slot is released.
         Secret values never appear here.
         """
         pools = {name: pool.status() for name, pool in self._pools.items()}
         total = {k: sum(p[k] for p in pools.values()) for k in
                  ("sandboxes", "healthy_sandboxes", "total_slots", "available_slots",
-                  "acquired_slots", "waiting_acquires", "calls", "failures", "timeouts", "quarantined")}
+                  "acquired_slots", "waiting_acquires", "calls", "failures", "timeouts", "quarantined",
+                  "network_refused")}
         main = self.profiles.get(self.default_profile) or next(iter(self.profiles.values()))
         return {
             **total,

@@ -31,6 +31,63 @@ __all__ = ["ALIASES", "ENV_KEYS", "ENV_PREFIXES", "ModalSandboxConfig", "Sandbox
            "build_profile", "load_profiles", "read_profiles_file", "validate_profile"]
 
 DriverName = Literal["local", "modal", "ray"]
+#: ``network`` values (bools and their spellings in variables) kept as aliases.
+NETWORK_ALIASES = {True: "host", False: "none", "true": "host", "false": "none", "1": "host",
+                   "0": "none", "yes": "host", "no": "none", "on": "host", "off": "none"}
+
+
+def network_mode(value: Any) -> Any:
+    """The ``network`` mode ``value`` names: ``"none"``, ``"egress"`` or ``"host"``; the
+    aliases of :data:`NETWORK_ALIASES` (``true`` = ``"host"`` for now, ``false`` =
+    ``"none"``) are mapped. Raises ValueError naming a bad value (the profile and key
+    are added by :class:`ConfigError`)."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "egress", "host"):
+        return value.strip().lower()
+    key = value.strip().lower() if isinstance(value, str) else value
+    if isinstance(key, (bool, str)) and key in NETWORK_ALIASES:
+        return NETWORK_ALIASES[key]
+    raise ValueError("network must be 'none', 'egress' or 'host' (or true/false)")
+
+
+class EgressOptions(BaseModel):
+    """A profile's ``egress`` options (used with ``network: egress``).
+
+    ``allow``/``deny``: CIDRs (``"198.51.100.0/24"``) and domain names, ``*.``-wildcards
+    allowed (``"*.example.com"``); deny wins. Without ``allow`` every public destination
+    is allowed; the defaults (loopback, the host's own addresses, link-local with the
+    metadata endpoint, RFC 1918, CGNAT, ULA) are refused unless a CIDR in ``allow``
+    covers them. ``dns``: the resolver allowed names are asked of, ``"address"`` or
+    ``"address:port"`` (IPv4); default: the first nameserver of the host's
+    ``/etc/resolv.conf``. ``upstream``: how the sandbox's router namespace reaches the
+    network: ``"slirp4netns"`` (user-mode, through the host's sockets; the host's loopback
+    not mapped) or ``"none"`` (attached by the caller; tests). Checked by :class:`hermes_modal_tool.agent.net.policy.EgressPolicy`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    allow: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
+    dns: str | None = None
+    upstream: Literal["slirp4netns", "none"] = "slirp4netns"
+
+    @model_validator(mode="after")
+    def _lists(self) -> EgressOptions:
+        from .agent.net.policy import EgressPolicy, PolicyError
+
+        try:
+            EgressPolicy(self.allow, self.deny, where="egress")
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        if self.dns is not None:
+            import ipaddress
+
+            host, _, port = self.dns.partition(":")
+            try:
+                ipaddress.IPv4Address(host)
+                if port and not 0 < int(port) < 65536:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"egress.dns must be 'IPv4 address[:port]', got {self.dns!r:.80}") from None
+        return self
 _Config = TypeVar("_Config", bound="SandboxConfig")
 
 
@@ -145,7 +202,15 @@ class SandboxConfig(BaseModel):
                           "long. True: after idle_timeout; False: never; a number: after that many "
                           "seconds (the original terminal tool's meaning; idle_timeout then only "
                           "sets Modal's own server-side idle limit).")
-    network: bool = Field(True, description="False: loopback only inside each slot.")
+    network: Literal["none", "egress", "host"] = Field(
+        "host", description="Each slot's network: 'none' (loopback only), 'egress' (a network "
+                            "namespace of its own behind the agent's policy: see egress and the "
+                            "README's Network section; local driver), 'host' (the sandbox's "
+                            "network). true and false are aliases of 'host' and 'none'.")
+    egress: EgressOptions = Field(
+        default_factory=lambda: EgressOptions(),
+        description="network: egress only: {allow: [CIDR or name pattern], deny: [...], "
+                    "dns: 'address[:port]' of the resolver allowed names are asked of}.")
     isolation: Literal["bwrap", "none"] = Field(
         "bwrap", description="'none' runs slots without namespaces (trusted code only).")
     slot_memory: int | None = Field(
@@ -172,6 +237,11 @@ class SandboxConfig(BaseModel):
         "auto", pattern=r"^(auto|no|3\.\d{1,2})$",
         description="Modal: Python to add to the image for the agent: 'auto' (3.11 unless the "
                     "image's name says it has Python), 'no', or a version such as '3.12'.")
+
+    @field_validator("network", mode="before")
+    @classmethod
+    def _network_mode(cls, value: Any) -> Any:
+        return network_mode(value)
 
     @field_validator("workspace_base", "workdir")
     @classmethod
@@ -243,6 +313,12 @@ class SandboxConfig(BaseModel):
                 f"min_sandboxes ({self.min_sandboxes}) is greater than max_sandboxes ({self.max_sandboxes})")
         if self.volumes:
             check_volumes(self.volumes, self.workspace_base, self.driver)
+        if self.network == "egress" and self.driver == "modal":
+            raise ValueError("network: egress is enforced on the local driver only (so far); on "
+                             "modal use 'none' (block_network) or 'host'")
+        if self.network == "egress" and self.isolation == "none":
+            raise ValueError("network: egress needs isolation: bwrap (without it a slot runs with "
+                             "the agent's privileges and could leave its namespace)")
         return self
 
     def with_app_name(self: _Config, base_app: str | None = None, *,

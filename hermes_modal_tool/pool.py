@@ -71,7 +71,8 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
         self._started = False
         self._closed = False
         self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "sandboxes_started": 0,
-                      "sandboxes_died": 0, "sandboxes_stopped": 0, "acquires": 0, "quarantined": 0}
+                      "sandboxes_died": 0, "sandboxes_stopped": 0, "acquires": 0, "quarantined": 0,
+                      "network_refused": 0}
         self.last_error: str | None = None
         self.info: dict[str, Any] = {}
         self._rate_window: deque[list[int]] = deque()  # [tick, calls] (_pool_status.py)

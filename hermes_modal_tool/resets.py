@@ -39,6 +39,9 @@ class SlotResets:
         except SandboxError as exc:
             self._quarantine(rec, exc)
             return
+        refused = (reply.get("result") or {}).get("network_refused")  # network: egress
+        if refused:
+            self.stats["network_refused"] += int(refused.get("names", 0)) + int(refused.get("connections", 0))
         if rec.extra.pop("quarantine", None) is not None:
             log.warning("slot %s is back in service: its reset succeeded", rec.slot_id)
         rec.ready = True

@@ -113,12 +113,14 @@ def test_only_what_main_imports_is_sent():
     every file under agent/: a stale module an old install left there (a wheel built over a
     ``build/`` of the flat layout once shipped ``agent/snapshots.py`` beside
     ``agent/state/snapshots.py``, and the import cycle between the stale files stopped
-    every sandbox start), or a module not wired yet (``agent/net/``), is not sent."""
+    every sandbox start), is not sent. ``agent/net/`` is sent since setup imports it
+    (``network: egress``); the host-side modules beside the agent's are not."""
     from hermes_modal_tool import agent
 
     sent = {name for name, *_ in agent._bundle_modules()}
     assert {"hermes_modal_tool.agent.main", "hermes_modal_tool.agent.calls",
-            "hermes_modal_tool.agent.state.ops", "hermes_modal_tool.protocol"} <= sent
-    on_disk = {p.stem for p in (Path(agent.__file__).parent / "net").glob("*.py")}
-    assert "policy" in on_disk  # positive control: the unwired modules exist
-    assert not any(name.startswith("hermes_modal_tool.agent.net") for name in sent), sorted(sent)
+            "hermes_modal_tool.agent.state.ops", "hermes_modal_tool.protocol",
+            "hermes_modal_tool.agent.net.slotnet", "hermes_modal_tool.agent.net.resolver"} <= sent
+    on_disk = {p.stem for p in (Path(agent.__file__).parent.parent / "testing").glob("*.py")}
+    assert "fakenet" in on_disk  # positive control: host-side modules exist beside it
+    assert not any(name.startswith("hermes_modal_tool.testing") for name in sent), sorted(sent)

@@ -446,3 +446,50 @@ def test_profiles_check_lists_every_problem_of_one_profile(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load(path)
     assert "max_pool" in str(exc.value) and "greater" not in str(exc.value), str(exc.value)
+
+
+# -- network ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("given_", "mode"), [(True, "host"), (False, "none"), ("egress", "egress"),
+                                              ("none", "none"), ("Host", "host")])
+def test_network_modes_and_aliases(given_, mode):
+    assert SandboxConfig(name="n", network=given_).network == mode
+
+
+def test_network_from_a_variable_keeps_the_aliases():
+    profiles, _ = load_profiles(None, env={"ATROPOS_MODAL_NETWORK": "false"})
+    assert {p.network for p in profiles.values()} == {"none"}
+
+
+def test_bad_network_value_is_named(tmp_path):
+    path = write(tmp_path, """\
+        profiles:
+          web:
+            network: internet
+    """)
+    with pytest.raises(ConfigError) as exc:
+        load(path)
+    assert_names(exc, str(path), "web", "network", "internet")
+
+
+@pytest.mark.parametrize(("egress", "named"), [
+    ({"allow": ["10.0.0.0/33"]}, "10.0.0.0/33"),
+    ({"deny": ["exa mple.com"]}, "exa mple.com"),
+    ({"dns": "resolver.example"}, "resolver.example"),
+    ({"upstream": "vpn"}, "vpn"),
+])
+def test_bad_egress_entry_is_named(tmp_path, egress, named):
+    path = write(tmp_path, f"profiles:\n  web:\n    network: egress\n    egress: {egress!r}\n")
+    with pytest.raises(ConfigError) as exc:
+        load(path)
+    assert_names(exc, str(path), "web", "egress", named)
+
+
+def test_egress_on_modal_is_refused():
+    assert SandboxConfig(name="ok", network="egress").network == "egress"  # local: fine
+    with pytest.raises(ConfigError) as exc:
+        SandboxConfig(name="m", driver="modal", network="egress")
+    assert_names(exc, "'m'", "egress", "local driver")
+    with pytest.raises(ConfigError) as exc:
+        SandboxConfig(name="n", network="egress", isolation="none")
+    assert_names(exc, "'n'", "egress", "isolation: bwrap")

@@ -59,6 +59,7 @@ class Agent(Setup, Calls, DiskWatch):
         self._admission = None
         self.heartbeat = None
         self.gpu = None  # gpu.AgentGpu for a gpu profile
+        self.net, self.network = None, "host"  # network: egress's namespaces (net/slotnet.py)
         self._spawn_limiter = None
         self._executors = {}  # name -> ThreadPoolExecutor, made on first use
         self.spares = set()  # indexes of idle slots whose shell was started ahead of use
@@ -183,7 +184,8 @@ class Agent(Setup, Calls, DiskWatch):
         return {"slots": {str(i): {"shell": s.shell.alive, "busy": s.busy, "queued": len(s.queue),
                                    "waiting": s.pending is not None}
                           for i, s in self.slots.items()},
-                "admission": self.admission.statistics(), "shell_start": self.thread_start_note}
+                "admission": self.admission.statistics(), "shell_start": self.thread_start_note,
+                "network": self.net.status() if self.net is not None else {"mode": self.network}}
 
     async def handle_reset(self, msg):
         mid = msg.get("id")
@@ -208,7 +210,8 @@ class Agent(Setup, Calls, DiskWatch):
         def answer():  # once the old tenant's processes are killed, or at the end (slot.reset)
             if not answered:
                 answered.append(True)
-                self.send({"id": mid, "ok": True, "result": {}})
+                self.send({"id": mid, "ok": True, "result": self.net.reset_result(slot.index)
+                           if self.net is not None else {}})
 
         try:
             await slot.reset(on_killed=answer)
@@ -390,6 +393,8 @@ class Agent(Setup, Calls, DiskWatch):
                     slot.root.teardown()
                 except OSError as exc:
                     sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
+        if self.net is not None:  # the slots' namespaces and the router (net/slotnet.py)
+            await self.loop.run_in_executor(None, self.net.close)
         if self.layer_disks is not None:  # the layers' file systems (agent/fs/slotdisk.py)
             await self.loop.run_in_executor(None, self.layer_disks.close)
         if self.template_dir:

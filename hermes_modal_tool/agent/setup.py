@@ -11,6 +11,7 @@ from .. import protocol
 from .fs import layerspares, rootfs, rootplan, rootprobe, slotdisk, slottmpfs, trees, volumes
 from .heartbeat import Heartbeat
 from .limits import caps, cgroups, gpu, isolation, shmwatch
+from .net import slotnet
 from .slot import SlotRuntime
 
 
@@ -27,7 +28,8 @@ class Setup:
         self.host_root = cfg.get("host_root") or self.workspace_base
         self.isolation = cfg.get("isolation", "bwrap")
         self.bwrap = cfg.get("bwrap")
-        self.network = bool(cfg.get("network", True))
+        self.network = slotnet.network_mode(cfg.get("network", True))
+        self.net = None  # network: egress: the router and slots' namespaces (net/slotnet.py)
         self.hide = list(cfg.get("hide", []))
         # (source, target, read_only) per volume; slots of their own uids must reach them
         self.volumes = volumes.parse(cfg, cfg.get("uid_base") is not None and os.geteuid() == 0)
@@ -85,6 +87,8 @@ class Setup:
         self.rlimits = [] if self.cgroups else isolation.rlimits_for(limits, self.uid_base is not None)
         if not self.cgroups:
             limit_mode = "rlimit"
+        if self.network == "egress":  # before any slot starts; an error fails the init
+            self.net = slotnet.SandboxNet(cfg.get("egress"), "the profile's egress").start()
         tmpfs_root, tmpfs_note = slottmpfs.plan(self, limit_mode)
         for i in range(int(cfg["slots"])):
             self.slots[i] = SlotRuntime(self, i)
@@ -117,6 +121,10 @@ class Setup:
             "slot_uids": self.uid_base is not None,
             "abstract_sockets": isolation.scopes.abstract_socket_scope()[1],
             "slots": len(self.slots),
+            "network": self.network,
+            # network: egress: the sandbox's router namespace (/proc/<pid>/fd/<n>; tests attach
+            # the fake internet there with upstream: none)
+            "network_router": self.net.router_path if self.net is not None else None,
             "filesystem": self.filesystem,
             "filesystem_note": filesystem_note,
             "caps": slot_caps,

@@ -244,6 +244,9 @@ class SlotRuntime:
                 # No PID namespace: a process may have left the shell's session (setsid).
                 await self.agent.loop.run_in_executor(
                     self.agent.executor("files"), isolation.purge_uid, self.uid, SHARED_TMP)
+            if self.agent.net is not None:  # its processes are gone: its namespace goes
+                await self.agent.loop.run_in_executor(
+                    self.agent.executor("files"), self.agent.net.release, self.index)
             if self.tmpfs is not None:  # the slot's processes are gone: a fresh tmpfs
                 await self.agent.loop.run_in_executor(self.agent.executor("files"), self.tmpfs.renew)
             self.close_ctl()
@@ -271,6 +274,14 @@ class SlotRuntime:
                     snapshots.store(self.agent).layer_gone(old)  # a fork's or snapshot's layer
                 self.root.swap()
                 self.agent.layer_work(self.root, old)
+
+    def in_netns(self, fn):
+        """``fn()`` in this slot's network namespace with ``network: egress`` (set up on
+        first use: net/slotnet.py), else as is. Blocking: the spawn thread calls it."""
+        if self.agent.net is None:
+            return fn()
+        with self.agent.net.entered(self.index):
+            return fn()
 
     def fs_creds(self):
         """Context for file tools: the slot's own filesystem uid when it has a root of its own."""

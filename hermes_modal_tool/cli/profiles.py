@@ -39,7 +39,7 @@ def profiles_check(file: str) -> None:
     for name, p in loaded.items():
         table.add_row(name + (" *" if name == default else ""), p.driver, p.image, p.gpu or "-",
                       f"{p.cpu:g}", str(p.memory), str(p.slots_per_sandbox),
-                      f"{p.min_sandboxes}-{p.max_sandboxes}", "yes" if p.network else "no",
+                      f"{p.min_sandboxes}-{p.max_sandboxes}", p.network,
                       ", ".join(p.secrets) or "-")
     console.print(table)
     modal_users = [n for n, p in loaded.items() if p.driver == "modal"]

@@ -396,6 +396,7 @@ class LocalDriver(Driver):
             "isolation": config.isolation,
             "bwrap": bwrap,
             "network": config.network,
+            "egress": config.egress.model_dump(),
             "env": slot_env,
             "uid_base": (200000 + (next(_UID_SEQ) % 16384) * 4096) if root and config.isolation == "bwrap" else None,
             "limits": {"memory_mb": config.memory, "slot_memory_mb": config.slot_memory_mb,

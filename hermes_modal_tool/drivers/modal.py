@@ -283,7 +283,7 @@ class ModalDriver(Driver):
                     cpu=config.cpu, memory=config.memory, gpu=config.gpu,
                     timeout=max(1, int(config.max_lifetime)),
                     idle_timeout=max(1, int(config.idle_timeout)),
-                    block_network=not config.network, tags=tags, volumes=volumes, client=client)
+                    block_network=config.network == "none", tags=tags, volumes=volumes, client=client)
             except _RETRYABLE as exc:
                 found = await self._find_created(app, client, tags[TAG_CREATE])
                 if found is not None:

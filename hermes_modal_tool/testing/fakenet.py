@@ -257,7 +257,8 @@ class FakeInternet:
         self.check_routes(self.path, allow_default=False)
         return self
 
-    def attach(self, netns: str, *, default_route: bool = False, standins: bool = False) -> str:
+    def attach(self, netns: str, *, default_route: bool = False, standins: bool = False,
+               other_ifaces: str = "") -> str:
         """Connect the namespace at ``netns`` to the fake internet with a veth pair.
 
         Args:
@@ -267,6 +268,8 @@ class FakeInternet:
                 namespace.
             standins: also route the private and metadata stand-in addresses. Refused
                 for our own namespace (the host may route those ranges for real).
+            other_ifaces: a prefix of interface names the namespace may hold besides
+                ``lo`` and the new one (a sandbox's router: its slots' ``hs<N>``).
 
         Returns:
             The namespace's address on the fake internet (``203.0.113.1xx``).
@@ -292,7 +295,8 @@ class FakeInternet:
         routes += ["default"] if default_route else []
         for dest in routes:
             _run("ip", "route", "add", dest, "via", GATEWAY, "dev", theirs, netns=netns)
-        self.check_routes(netns, allow_default=default_route, only=None if own else theirs, dev=theirs)
+        self.check_routes(netns, allow_default=default_route, only=None if own else theirs, dev=theirs,
+                          other_ifaces=other_ifaces)
         wait_carrier(netns, theirs)
         return address
 
@@ -305,7 +309,8 @@ class FakeInternet:
         return ns
 
     def check_routes(
-        self, netns: str, *, allow_default: bool, only: str | None = "", dev: str | None = None
+        self, netns: str, *, allow_default: bool, only: str | None = "", dev: str | None = None,
+        other_ifaces: str = "",
     ) -> None:
         """Raise :class:`FakenetError` if ``netns`` routes anywhere but the fake internet.
 
@@ -334,6 +339,7 @@ class FakeInternet:
         names = {link["ifname"] for link in links}
         want = {"lo", only} if only else {"lo"}
         extra = names - want if only else {n for n in names - want if not n.startswith("fnh")}
+        extra = {n for n in extra if not (other_ifaces and n.startswith(other_ifaces))}
         if extra:
             raise FakenetError(f"{netns} has interfaces outside the fake internet: {sorted(extra)}")
 

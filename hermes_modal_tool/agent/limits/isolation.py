@@ -4,8 +4,9 @@ Stdlib-only, Python 3.8. Runs inside the sandbox (for the local driver the
 "sandbox" is the host, so this is where host isolation happens).
 
 Each slot gets, when ``isolation == "bwrap"``:
-- its own user, PID, IPC and UTS namespaces (and network namespace with loopback
-  only when the profile has ``network: false``);
+- its own user, PID, IPC and UTS namespaces (and network namespace: with loopback
+  only for ``network: none``; with ``network: egress`` the one the agent made for the
+  slot, owned by the agent's user namespace, see ``net/slotnet.py``);
 - a root filesystem built from the sandbox's top-level directories bound
   read-only, with the home directories (``/home``, ``/root``), ``/tmp``, ``/run``,
   ``/mnt`` and ``/media`` replaced by empty tmpfs and the agent's state directory
@@ -42,7 +43,9 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
         ws_host: the slot workspace as the agent sees it.
         ws_path: the path the slot sees it at (``{workspace_base}/slot_{N}``).
         ctl_host: the slot's control directory (bound read-only at ``CTL_PATH``).
-        network: keep the sandbox's network (True) or loopback only (False).
+        network: ``"none"`` (or False): a namespace of bwrap's with loopback only;
+            ``"host"`` (or True): the sandbox's namespace; ``"egress"``: the namespace the
+            starting thread is in (the slot's own, see :mod:`..net.slotnet`).
         hide: extra absolute paths to cover with an empty tmpfs.
         hostname: the slot's hostname.
         info_fd: fd bwrap writes ``{"child-pid": N}`` to.
@@ -61,7 +64,7 @@ def bwrap_argv(bwrap, ws_host, ws_path, ctl_host, network, hide, hostname, info_
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--info-fd", str(info_fd), "--hostname", hostname]
-    if not network:
+    if network in (False, "none"):  # "egress": the spawn thread is in the slot's own already
         argv.append("--unshare-net")
     ws_top = ws_path.strip("/").split("/")[0]
     for name in sorted(os.listdir("/")):
@@ -112,7 +115,7 @@ def bwrap_root_argv(bwrap, root_host, ctl_host, network, hostname, info_fd, chdi
             "--hostname", hostname]
     if contain:
         argv += ["--cap-drop", "CAP_SYS_ADMIN", "--disable-userns"]
-    if not network:
+    if network in (False, "none"):  # "egress": the spawn thread is in the slot's own already
         argv.append("--unshare-net")
     argv += ["--bind", root_host, "/", "--proc", "/proc", "--dev", "/dev"] + size + [
         "--tmpfs", "/dev/shm", "--ro-bind", ctl_host, CTL_PATH, "--chdir", chdir] + list(devices)

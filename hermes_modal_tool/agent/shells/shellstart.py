@@ -175,7 +175,7 @@ class ShellStart:
             if self.kill_on_start or slot.agent.closing:
                 return None
             self.start_phase = "waiting for a free spawn thread"
-            fut = self.loop.run_in_executor(slot.agent.executor("spawn"), self._popen)
+            fut = self.loop.run_in_executor(slot.agent.executor("spawn"), slot.in_netns, self._popen)
             try:
                 return await asyncio.shield(fut)
             except asyncio.CancelledError:
@@ -213,7 +213,8 @@ class ShellStart:
                 proc = self._thread_root(argv, (in_r, out_w, err_w), pass_fds, entry)
                 if proc is not None:
                     return proc, in_w, out_r, info_r, err_r, layer
-                if agent.spawner is not None and not agent.spawner.broken:
+                # Not with network: egress (the spawner's child would start in its namespace).
+                if agent.spawner is not None and not agent.spawner.broken and agent.net is None:
                     self.start_phase = "in bwrap's start (the spawner: clone, cgroups, uid drop, exec)"
                     proc = self._spawn_root(argv, (in_r, out_w, err_w), info_w, entry)
                     if proc is not None:

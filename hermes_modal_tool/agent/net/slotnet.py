@@ -1,0 +1,384 @@
+"""``network: egress``: a network namespace per slot behind a router namespace per sandbox.
+
+Stdlib-only, Python 3.8. The layout (local driver; the agent runs in the host's
+network namespace, where nothing of this is ever configured):
+
+- the sandbox's *router* namespace, made by the agent (``unshare(CLONE_NEWNET)`` in a
+  throwaway thread, held by a descriptor) and owned by the agent's user namespace. It
+  reaches the network through ``slirp4netns`` (user-mode: the host's own sockets, no
+  rule in the host, the host's loopback not mapped) or, with ``upstream: none``,
+  through whatever the caller attaches
+  (tests: the fake internet). It forwards and masquerades the slots' traffic;
+- one namespace per slot, made the same way, so owned by the agent's user namespace
+  too: the slot's root (root only in the slot's own user namespace) has no
+  capability over it and can change neither its routes nor its addresses nor any
+  nftables rule. bwrap starts in it (:meth:`SandboxNet.entered` around the spawn)
+  instead of making a namespace of its own;
+- a veth pair per slot (``hs<N>`` in the router, ``eth0`` in the slot's, a /30 of
+  10.254.0.0/16), the slot's nftables table in the router
+  (:func:`.nftrules.slot_ruleset`) and its resolver (:class:`.resolver.DnsResolver`)
+  bound on the router's end, where every DNS packet of the slot is redirected.
+
+Every ``ip``/``nft`` command runs in a child that first enters the router's or the
+slot's namespace and checks, before exec, that it is in it (else it exits 121 and
+nothing runs): none can act on the host's namespace. :meth:`SandboxNet.release`
+removes a slot's table, veth pair and resolver and drops its namespace;
+:meth:`SandboxNet.close` everything.
+"""
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import threading
+
+from . import hostaddrs, nftrules
+from .policy import EgressPolicy
+from .resolver import DnsResolver
+
+CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+#: Exit status of a command that did not find itself in the namespace it was meant for.
+WRONG_NAMESPACE = 121
+_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class NetError(RuntimeError):
+    """Raised when a slot's network cannot be set up (a tool missing, a command failed)."""
+
+
+def network_mode(value):
+    """``"none"``, ``"egress"`` or ``"host"`` from a config value (``True`` is
+    ``"host"``, ``False`` ``"none"``: the profile's aliases, see config.py).
+
+    Raises:
+        ValueError: any other value (named).
+    """
+    if value is True or value is False:
+        return "host" if value else "none"
+    if value in ("none", "egress", "host"):
+        return value
+    raise ValueError("network must be 'none', 'egress' or 'host', got %r" % (value,))
+
+
+def _tool(name):
+    path = shutil.which(name, path=_PATH + ":" + os.environ.get("PATH", ""))
+    if path is None:
+        raise NetError("network: egress needs %r (iproute2/nftables) on the sandbox's PATH" % name)
+    return path
+
+
+def new_netns():
+    """A new network namespace (owned by the caller's user namespace), made in a
+    throwaway thread; returns ``(fd, inode)``, the descriptor holding it.
+
+    Raises:
+        OSError: the kernel refused (no ``CAP_SYS_ADMIN``, namespaces disabled).
+    """
+    out = []
+
+    def make():
+        try:
+            if _libc.unshare(CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
+            fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            out.append((fd, os.fstat(fd).st_ino))
+        except OSError as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=make, name="hmt-netns")
+    thread.start()
+    thread.join()
+    if isinstance(out[0], OSError):
+        raise out[0]
+    return out[0]
+
+
+def _own_inode():
+    return os.stat("/proc/thread-self/ns/net").st_ino
+
+
+@contextlib.contextmanager
+def entered(fd, inode):
+    """Move the calling thread into the namespace held by ``fd`` (inode ``inode``) for
+    the ``with`` block, and back. Threads it starts meanwhile stay in that namespace.
+
+    Raises:
+        OSError: ``setns`` failed, or the thread is not in the namespace after it.
+    """
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET)")
+        try:
+            if _own_inode() != inode:
+                raise OSError("setns left the thread outside the namespace %d" % inode)
+            yield
+        finally:
+            if _libc.setns(home, CLONE_NEWNET) != 0:  # pragma: no cover - it let us in
+                raise OSError(ctypes.get_errno(), "setns back to the agent's namespace")
+    finally:
+        os.close(home)
+
+
+def run_in(fd, inode, argv, text=None, timeout=15):
+    """Run ``argv`` in the namespace held by ``fd`` (inode ``inode``); returns its stdout.
+
+    The child enters the namespace and checks its inode before exec: a child that is
+    anywhere else exits :data:`WRONG_NAMESPACE` without running ``argv``.
+
+    Raises:
+        NetError: the command failed (its stderr in the message).
+    """
+    def enter():
+        if _libc.setns(fd, CLONE_NEWNET) != 0 or os.stat("/proc/self/ns/net").st_ino != inode:
+            os._exit(WRONG_NAMESPACE)
+
+    proc = subprocess.run(argv, input=text, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, preexec_fn=enter, timeout=timeout,
+                          env={"PATH": _PATH})
+    if proc.returncode != 0:
+        raise NetError("%s failed (%d)%s: %s" % (
+            " ".join(argv[:4]), proc.returncode,
+            " (not in its namespace)" if proc.returncode == WRONG_NAMESPACE else "",
+            proc.stderr.strip()[-500:]))
+    return proc.stdout
+
+
+def _pdeathsig():
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def upstream_dns(resolv_conf="/etc/resolv.conf"):
+    """``(address, 53)`` of the first IPv4 nameserver of ``resolv_conf``, or None."""
+    try:
+        with open(resolv_conf) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver" and ":" not in parts[1]:
+                    return parts[1], 53
+    except OSError:
+        pass
+    return None
+
+
+def slot_addresses(index):
+    """``(router end, slot end)`` of slot ``index``'s /30 in 10.254.0.0/16."""
+    base = 4 * index
+    return ("10.254.%d.%d" % (base // 256, base % 256 + 1), "10.254.%d.%d" % (base // 256, base % 256 + 2))
+
+
+class SlotNet:
+    """One slot's namespace, veth pair, table and resolver (see :class:`SandboxNet`)."""
+
+    def __init__(self, index, fd, inode, policy, resolver):
+        self.index, self.fd, self.inode = index, fd, inode
+        self.policy, self.resolver = policy, resolver
+
+
+class SandboxNet:
+    """A sandbox's router namespace and its slots' namespaces (``network: egress``).
+
+    Args:
+        options: the profile's ``egress`` mapping (``allow``, ``deny``: lists of CIDRs
+            and name patterns; ``dns``: ``"address[:port]"`` or None for the host's
+            first nameserver; ``upstream``: ``"slirp4netns"`` or ``"none"``).
+        where: where ``options`` came from, for errors (the profile).
+
+    Raises:
+        .policy.PolicyError: a bad allow/deny entry (named, with ``where``).
+    """
+
+    def __init__(self, options, where="egress"):
+        options = options or {}
+        self.allow = list(options.get("allow") or ())
+        self.deny = list(options.get("deny") or ())
+        EgressPolicy(self.allow, self.deny, where=where)  # bad entries fail at init
+        dns = options.get("dns")
+        if dns:
+            host, _, port = dns.partition(":")
+            self.dns = (host, int(port or 53))
+        else:
+            self.dns = upstream_dns()
+        self.upstream = options.get("upstream") or "slirp4netns"
+        self.host = hostaddrs.host_addresses()  # read here, in the agent's (host's) namespace
+        self.router = None  # (fd, inode)
+        self.slots = {}
+        self._lock = threading.Lock()
+        self._upstream = None
+        self.ip, self.nft = _tool("ip"), _tool("nft")
+        self.refused_released = 0  # refusals of slots already released
+        self._released_counts = {}  # index -> the last tenant's refusals, until its reset answers
+
+    @property
+    def router_path(self):
+        """``/proc/<agent pid>/fd/<n>``: the router namespace, for ``nsenter --net=``."""
+        return "/proc/%d/fd/%d" % (os.getpid(), self.router[0]) if self.router else None
+
+    def start(self):
+        """Make the router namespace (forwarding on) and start its upstream. Blocking."""
+        fd, inode = self.router = new_netns()
+        if inode == _own_inode():  # pragma: no cover - unshare made no new namespace
+            raise NetError("the router namespace is the agent's own")
+        self._router("ip", "link", "set", "lo", "up")
+        self._router("sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        if self.upstream == "slirp4netns":
+            # The router's fd, inherited at its number: slirp4netns enters the namespace
+            # through /proc/self/fd/<n> (pasta cannot open its tap in a namespace it did
+            # not make when run as root). No mapping of the host's loopback (10.0.2.2).
+            ready_r, ready_w = os.pipe()
+            try:
+                self._upstream = subprocess.Popen(
+                    [_tool("slirp4netns"), "--configure", "--disable-host-loopback", "--mtu", "65520",
+                     "--ready-fd", str(ready_w), "--netns-type=path", "/proc/self/fd/%d" % fd, "tap0"],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    pass_fds=(fd, ready_w), preexec_fn=_pdeathsig)
+                os.close(ready_w)
+                ready_w = None
+                ready = os.read(ready_r, 1)  # "1" once tap0 is configured; EOF if it died
+            finally:
+                os.close(ready_r)
+                if ready_w is not None:
+                    os.close(ready_w)
+            if ready != b"1":
+                self._upstream.kill()
+                why = self._upstream.communicate(timeout=5)[1]
+                raise NetError("slirp4netns did not start for the sandbox's router: %s" % (
+                    why.decode("utf-8", "replace").strip()[-300:],))
+            self._upstream.stderr.close()
+        return self
+
+    def _router(self, *argv, text=None):
+        tool = {"ip": self.ip, "nft": self.nft}.get(argv[0], argv[0])
+        return run_in(self.router[0], self.router[1], [tool] + list(argv[1:]), text)
+
+    def acquire(self, index):
+        """Slot ``index``'s namespace, set up on first use; returns its :class:`SlotNet`.
+        Blocking (a few ``ip``/``nft`` commands): call from a worker thread.
+
+        Raises:
+            NetError, OSError: it could not be set up (the slot must not start then).
+        """
+        with self._lock:
+            net = self.slots.get(index)
+            if net is not None:
+                return net
+            if self.router is None:
+                raise NetError("the sandbox's router namespace is gone")
+            if self.dns is None:
+                raise NetError("network: egress has no resolver to ask: set egress.dns in the profile")
+            fd, inode = new_netns()
+            ours, theirs = slot_addresses(index)
+            iface = "hs%d" % index
+            policy = EgressPolicy(self.allow, self.deny, host_addresses=self.host)
+            resolver = None
+            try:
+                run_in(fd, inode, [self.ip, "link", "set", "lo", "up"])
+                self._router("ip", "-batch", "-", text=(
+                    "link add name {i} type veth peer name eth0 netns /proc/{p}/fd/{f}\n"
+                    "addr add {o}/30 dev {i}\nlink set {i} up\n").format(
+                        i=iface, p=os.getpid(), f=fd, o=ours))
+                run_in(fd, inode, [self.ip, "-batch", "-"], text=(
+                    "addr add %s/30 dev eth0\nlink set eth0 up\nroute add default via %s\n" % (theirs, ours)))
+
+                def learned(_name, addresses, ttl, index=index):
+                    command = nftrules.learn_command(index, addresses, ttl)
+                    if command:
+                        self._router("nft", "-f", "-", text=command)
+
+                with entered(*self.router):  # its sockets (and threads) in the router
+                    resolver = DnsResolver(policy, self.dns, bind=(ours, 53), on_learn=learned).start()
+                self._router("nft", "-f", "-", text=nftrules.slot_ruleset(
+                    index, iface, theirs, policy, resolver.address))
+            except BaseException:
+                if resolver is not None:
+                    resolver.close()
+                self._drop(index, fd)
+                raise
+            net = self.slots[index] = SlotNet(index, fd, inode, policy, resolver)
+            return net
+
+    @contextlib.contextmanager
+    def entered(self, index):
+        """The calling thread in slot ``index``'s namespace (set up first) for the block:
+        a process it starts (bwrap) starts there."""
+        net = self.acquire(index)
+        with entered(net.fd, net.inode):
+            yield net
+
+    def refusals(self, index):
+        """Refusals of slot ``index`` so far: ``{"names": n, "connections": n}`` (names
+        answered NXDOMAIN by its resolver; packets its table refused)."""
+        net = self.slots.get(index)
+        if net is None:
+            return {"names": 0, "connections": 0}
+        try:
+            listing = self._router("nft", "-j", "list", "table", "inet", nftrules.table_name(index))
+            connections = nftrules.refusal_count(listing)
+        except (NetError, ValueError):
+            connections = 0
+        return {"names": net.resolver.refused, "connections": connections}
+
+    def reset_result(self, index):
+        """What a reset of slot ``index`` answers: ``{"network_refused": {"names": n,
+        "connections": n}}``, the refusals of the tenant it ends (read from the table while
+        it exists: one ``nft`` listing, a few ms; the host adds them to its pool's
+        ``network_refused``)."""
+        counts = self._released_counts.pop(index, None)
+        return {"network_refused": counts if counts is not None else self.refusals(index)}
+
+    def release(self, index):
+        """Remove slot ``index``'s table, veth pair and resolver and drop its namespace
+        (the next tenant gets a new one). Blocking; idempotent."""
+        with self._lock:
+            net = self.slots.pop(index, None)
+            if net is None:
+                return
+            counts = self.refusals_of(net)
+            self.refused_released += counts["names"] + counts["connections"]
+            self._released_counts[index] = counts
+            net.resolver.close()
+            self._drop(index, net.fd)
+
+    def refusals_of(self, net):
+        try:
+            listing = self._router("nft", "-j", "list", "table", "inet", nftrules.table_name(net.index))
+            return {"names": net.resolver.refused, "connections": nftrules.refusal_count(listing)}
+        except (NetError, ValueError):
+            return {"names": net.resolver.refused, "connections": 0}
+
+    def _drop(self, index, fd):
+        for argv, text in ((["nft", "-f", "-"], nftrules.delete_table(index)),
+                           (["ip", "link", "del", "hs%d" % index], None)):
+            try:
+                self._router(*argv, text=text)
+            except NetError:
+                pass  # never made
+        os.close(fd)
+
+    def status(self):
+        """What ``get_status()`` shows: the mode, the policy and the refusals per slot."""
+        return {"mode": "egress", "allow": self.allow, "deny": self.deny,
+                "dns": "%s:%d" % self.dns if self.dns else None, "upstream": self.upstream,
+                "enforced_by": "nftables in the sandbox's router namespace (outside the slots' "
+                               "user namespaces); DNS by the agent's resolver",
+                "refused": {str(i): self.refusals(i) for i in sorted(self.slots)},
+                "refused_released": self.refused_released}
+
+    def close(self):
+        """Release every slot, stop the upstream, drop the router namespace. Idempotent."""
+        for index in list(self.slots):
+            try:
+                self.release(index)
+            except (NetError, OSError):
+                pass
+        if self._upstream is not None:
+            self._upstream.kill()
+            self._upstream.wait()
+            self._upstream = None
+        if self.router is not None:
+            os.close(self.router[0])
+            self.router = None
