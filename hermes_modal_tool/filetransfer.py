@@ -1,49 +1,55 @@
 """Streamed file transfer between the host and a slot: ``backend.upload`` / ``backend.download``.
 
-A file moves in chunks of :data:`CHUNK_BYTES`, each one tool call on the sandbox's
-existing stream (``write_file`` with ``append``, ``read_artifact`` with ``offset``), at
-most :data:`DEPTH` in flight: that is the flow control, and it bounds memory on both
-ends (a chunk is read, encoded and written in worker threads, never on an event loop).
-The agent writes and reads them as the file tools do, through the slot's own view with
-the slot's credentials, never through a link the slot made. After the last chunk the
-agent's SHA-256 of the whole file (the ``checksum`` op) must equal the host's.
+A file moves in chunks of :data:`CHUNK_BYTES`, each a *binary frame* on the sandbox's
+existing stream (``protocol``: the bytes as they are, no base64, no JSON), at most
+:data:`DEPTH` in flight: that is the flow control, and it bounds memory on both ends.
+On each end the file is read or written, and hashed, in a thread (the host's worker
+threads; a thread of the transfer's own in the agent, ``agent/files/streams.py``),
+never on an event loop, so a transfer does not stall the calls of the other slots.
+The agent opens the slot's file as the file tools do, through the slot's own view with
+the slot's credentials, never through a link the slot made. Both ends hash what passed
+(SHA-256, of the whole file) and compare at the end: no second read of the file.
 
-A directory moves as its files, one at a time (with its empty directories); links are
-left out and counted in :attr:`Transfer.skipped`. Resuming: ``offset=N`` continues an
-upload whose remote file holds exactly the first N bytes (its checksum is compared
-first), or a download into a local file holding the first N bytes.
+A directory moves as one tar stream (``agent/files/tarstream.py``, the same code on both
+ends): packed from a directory descriptor without following links, unpacked beneath
+one, the receiver refusing the whole stream at the first hostile member (``..``, an
+absolute name, a link leading out, a name below a link, a hard link to anything but an
+earlier file, a device node). Links leading out of the directory, devices, FIFOs and
+sockets are left out by the sender and counted in :attr:`Transfer.skipped`.
+
+Resuming: ``offset=N`` continues an upload whose remote file holds exactly the first N
+bytes (the agent compares their SHA-256 with the host's first), or a download into a
+local file holding the first N bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import io
 import os
-import posixpath
-import shlex
+import queue
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-from .errors import TransferError, UsageError
+from .agent.files import tarstream
+from .errors import SandboxError, TransferError, UsageError
 from .slots import Slot
 
 if TYPE_CHECKING:
     from ._backend_view import BackendView
+    from .sandbox import Sandbox
 
-#: Bytes per chunk (before base64): one tool call each. Small, so that a neighbour's call waits
-#: behind at most DEPTH chunks on the shared stream (benchmarks/transfer.py: with 1 MiB x 4
-#: a neighbour's echo took ~470 ms at the median during an upload on a loaded 2-core
-#: machine, with 512 KiB x 2 ~55 ms, at the same MB/s).
-CHUNK_BYTES = 512 * 1024
+#: Bytes per chunk (one binary frame each). A neighbour's call waits behind at most
+#: DEPTH chunks on the shared stream (benchmarks/transfer.py measures it).
+CHUNK_BYTES = 1024 * 1024
 #: Chunks in flight at once per transfer.
-DEPTH = 2
-#: Seconds the agent has to checksum a file.
-CHECKSUM_WAIT_S = 600.0
+DEPTH = 4
+#: Seconds the agent has to answer one chunk (or to open, or to finish a stream).
+CHUNK_WAIT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,14 @@ class Transfer:
 
     Attributes:
         remote_path: the slot's path as given.
-        bytes: bytes moved by this call (after ``offset``).
+        bytes: bytes moved by this call (after ``offset``; a directory: its files' bytes).
         size: bytes of the file, or of all files of a directory.
         files: files moved (1 for a file).
-        sha256: the whole file's SHA-256 (hex), checked on both ends; None for a directory.
+        sha256: the whole file's SHA-256 (hex), checked on both ends; None for a directory
+            (its tar stream is checked the same way).
         seconds: wall time of the transfer.
-        skipped: entries of a directory left out (symbolic links, special files).
+        skipped: entries of a directory left out (links leading out of it, devices,
+            FIFOs, sockets; on download also files not owned by the slot).
     """
 
     remote_path: str
@@ -74,15 +82,42 @@ class Transfer:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-async def _checksum(backend: BackendView, slot: Slot, path: str) -> dict[str, Any]:
+def _where(backend: BackendView, slot: Slot) -> tuple[Sandbox, int]:
     pool = backend._pools.get(slot.profile)
     if pool is None:
         raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
     rec = pool.record_of(slot)
-    reply = await rec.sandbox.request({"op": "checksum", "slot": rec.index, "path": path}, CHECKSUM_WAIT_S)
+    return rec.sandbox, rec.index
+
+
+async def _ask(sb: Sandbox, message: dict[str, Any], what: str) -> dict[str, Any]:
+    """One request of a transfer; its ``result`` (with the ``blob`` of a binary reply).
+
+    Raises:
+        TransferError: the agent refused it, did not answer, or its sandbox died.
+    """
+    try:
+        reply = await sb.request(message, CHUNK_WAIT_S)
+    except SandboxError as exc:
+        raise TransferError(f"{what}: {exc}") from None
     if not reply.get("ok"):
-        raise TransferError(f"{path}: cannot checksum it in slot {slot.slot_id}: {reply.get('error')}")
-    return reply["result"]
+        raise TransferError(f"{what}: {reply.get('error')}")
+    result = reply.get("result") or {}
+    if "blob" in reply:
+        result["blob"] = reply["blob"]
+    return result
+
+
+async def _close(sb: Sandbox, op: str, sid: str) -> None:
+    """Tell the agent the stream is over (it drops it); never raises."""
+    try:
+        await asyncio.wait_for(sb.request({"op": op, "stream": sid, "abort": True}, 30.0), 35.0)
+    except Exception:  # noqa: BLE001 - best effort: the sandbox may be gone
+        pass
+
+
+def _count(slot: Slot, op: str) -> None:
+    slot._calls[op] = slot._calls.get(op, 0) + 1  # the usage ledger's calls by tool
 
 
 def _prefix_sha(fh: IO[bytes], n: int) -> hashlib._Hash:
@@ -97,117 +132,263 @@ def _prefix_sha(fh: IO[bytes], n: int) -> hashlib._Hash:
     return digest
 
 
-async def _pipelined(calls: deque[Awaitable[Any]], call: Awaitable[Any]) -> None:
-    """Keep at most :data:`DEPTH` calls in flight: add ``call``, await the oldest past it."""
-    calls.append(asyncio.ensure_future(call))
-    if len(calls) >= DEPTH:
-        await calls.popleft()
-
-
-async def _drain(calls: deque[Awaitable[Any]]) -> None:
+async def _send(sb: Sandbox, sid: str, chunks: AsyncIterator[bytes], what: str) -> dict[str, Any]:
+    """Send ``chunks`` on upload stream ``sid``, at most :data:`DEPTH` unanswered; end it;
+    return the agent's last result. The stream is closed on failure."""
+    inflight: deque[asyncio.Future] = deque()
+    ok = False
     try:
-        while calls:
-            await calls.popleft()
+        async for chunk in chunks:
+            inflight.append(asyncio.ensure_future(
+                _ask(sb, {"op": "upload", "stream": sid, "blob": chunk}, what)))
+            if len(inflight) >= DEPTH:
+                await inflight.popleft()
+        while inflight:
+            await inflight.popleft()
+        end = await _ask(sb, {"op": "upload", "stream": sid, "end": True}, what)
+        ok = True
+        return end
     finally:
-        for fut in calls:
-            fut.cancel()  # type: ignore[union-attr]
-        if calls:
-            await asyncio.gather(*calls, return_exceptions=True)
+        for fut in inflight:
+            fut.cancel()
+        if inflight:
+            await asyncio.gather(*inflight, return_exceptions=True)
+        if not ok:
+            await _close(sb, "upload", sid)
+
+
+async def _file_chunks(fh: IO[bytes], digest: hashlib._Hash, sent: list[int]) -> AsyncIterator[bytes]:
+    def next_chunk() -> bytes:
+        piece = fh.read(CHUNK_BYTES)
+        digest.update(piece)
+        return piece
+
+    while True:
+        piece = await asyncio.to_thread(next_chunk)
+        if not piece:
+            return
+        sent[0] += len(piece)
+        yield piece
 
 
 async def upload_file(backend: BackendView, slot: Slot, fh: IO[bytes], remote: str,
                       offset: int = 0) -> Transfer:
     """Send the rest of binary file object ``fh`` (from ``offset``) to ``remote`` in the slot."""
     started = time.monotonic()
+    sb, index = _where(backend, slot)
     digest = await asyncio.to_thread(_prefix_sha, fh, offset) if offset else hashlib.sha256()
-    if offset:
-        there = await _checksum(backend, slot, remote)
-        if there["size"] != offset or there["sha256"] != digest.hexdigest():
-            raise TransferError(f"{remote}: cannot resume at offset {offset}: the slot's file has "
-                                f"{there['size']} bytes" + ("" if there["size"] != offset else
-                                                            " that differ from the local file's first ones"))
-
-    def next_chunk() -> tuple[bytes, str]:
-        piece = fh.read(CHUNK_BYTES)
-        digest.update(piece)
-        return piece, base64.b64encode(piece).decode("ascii")
-
-    async def send(content: str, append: bool) -> None:
-        args = {"path": remote, "content": content, "encoding": "base64", "append": append}
-        result = await backend.execute(slot, "write_file", args)
-        if not result.success:
-            raise TransferError(f"{remote}: a chunk could not be written: {result.error}; resume with "
-                                "offset= the slot's file size")
-
-    sent = 0
-    calls: deque[Awaitable[Any]] = deque()
-    try:
-        first = offset == 0
-        while True:
-            piece, content = await asyncio.to_thread(next_chunk)
-            if not piece and not first:
-                break
-            await _pipelined(calls, send(content, append=not first))
-            first = False
-            sent += len(piece)
-            if not piece:
-                break
-    finally:
-        await _drain(calls)
-    there = await _checksum(backend, slot, remote)
-    if there["size"] != offset + sent or there["sha256"] != digest.hexdigest():
+    what = f"{remote}: upload into slot {slot.slot_id}"
+    _count(slot, "upload")
+    opened = await _ask(sb, {"op": "upload", "slot": index, "path": remote, "kind": "file", "offset": offset,
+                             "sha256": digest.hexdigest() if offset else None}, what)
+    sent = [0]
+    there = await _send(sb, opened["stream"], _file_chunks(fh, digest, sent), what)
+    if there["size"] != offset + sent[0] or there["sha256"] != digest.hexdigest():
         raise TransferError(f"{remote}: checksum differs after the upload (slot: {there['size']} bytes, "
-                            f"sha256 {there['sha256']}; host: {offset + sent} bytes, {digest.hexdigest()})")
-    return Transfer(remote, sent, offset + sent, 1, digest.hexdigest(), time.monotonic() - started)
+                            f"sha256 {there['sha256']}; host: {offset + sent[0]} bytes, {digest.hexdigest()})")
+    return Transfer(remote, sent[0], offset + sent[0], 1, digest.hexdigest(), time.monotonic() - started)
+
+
+async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash) -> AsyncIterator[bytes]:
+    """Local directory ``top`` as a tar stream in chunks, packed in a worker thread (at most
+    two chunks ahead); ``counts`` gets ``[files, bytes, skipped]``."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=2)
+    stop: list[bool] = []
+
+    def put(item: bytes | None) -> None:
+        if not stop:
+            asyncio.run_coroutine_threadsafe(ready.put(item), loop).result()
+
+    class Out:
+        buf = bytearray()
+
+        def write(self, data: bytes) -> int:
+            self.buf += data
+            while len(self.buf) >= CHUNK_BYTES and not stop:
+                chunk = bytes(self.buf[:CHUNK_BYTES])
+                del self.buf[:CHUNK_BYTES]
+                digest.update(chunk)
+                put(chunk)
+            if stop:
+                raise TransferError("the upload stopped")
+            return len(data)
+
+    def work() -> None:
+        out = Out()
+        try:
+            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise UsageError(f"cannot read {top!r}: {exc.strerror}") from None
+        try:
+            counts[:] = tarstream.pack(fd, out)
+        finally:
+            os.close(fd)
+        if out.buf:
+            digest.update(bytes(out.buf))
+            put(bytes(out.buf))
+
+    packing = loop.run_in_executor(None, work)
+    packing.add_done_callback(lambda _f: loop.call_soon(ready.put_nowait, None) if not stop else None)
+    try:
+        while True:
+            item = await ready.get()
+            if item is None:
+                break
+            yield item
+        await packing
+    finally:
+        stop.append(True)
+        while not packing.done():  # let a producer blocked on a full queue go on (and stop)
+            while not ready.empty():
+                ready.get_nowait()
+            await asyncio.sleep(0.01)
+
+
+async def _upload_tree(backend: BackendView, slot: Slot, top: str, remote: str) -> Transfer:
+    started = time.monotonic()
+    sb, index = _where(backend, slot)
+    what = f"{remote}: upload of directory {top} into slot {slot.slot_id}"
+    _count(slot, "upload")
+    opened = await _ask(sb, {"op": "upload", "slot": index, "path": remote, "kind": "tar"}, what)
+    counts = [0, 0, 0]
+    digest = hashlib.sha256()
+    there = await _send(sb, opened["stream"], _tar_chunks(top, counts, digest), what)
+    if there["sha256"] != digest.hexdigest() or there["files"] != counts[0]:
+        raise TransferError(f"{remote}: the tar stream differs after the upload (slot: {there['files']} files, "
+                            f"sha256 {there['sha256']}; host: {counts[0]} files, {digest.hexdigest()})")
+    return Transfer(remote, counts[1], counts[1], counts[0], None, time.monotonic() - started, counts[2])
+
+
+async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: str) -> dict[str, Any]:
+    """Ask for the chunks of download stream ``sid`` (at most :data:`DEPTH` ahead) and hand
+    each to ``sink`` in a worker thread, in order; return the last result (``eof``). The
+    stream is closed at the end."""
+    inflight: deque[asyncio.Future] = deque()
+    try:
+        while True:
+            while len(inflight) < DEPTH:
+                inflight.append(asyncio.ensure_future(_ask(sb, {"op": "download", "stream": sid}, what)))
+            got = await inflight.popleft()
+            blob = got.pop("blob", b"")
+            if blob:
+                await asyncio.to_thread(sink, blob)
+            if got.get("eof"):
+                return got
+    finally:
+        for fut in inflight:
+            fut.cancel()
+        if inflight:
+            await asyncio.gather(*inflight, return_exceptions=True)
+        await _close(sb, "download", sid)
+
+
+async def _open_download(backend: BackendView, slot: Slot, remote: str, offset: int
+                         ) -> tuple[Sandbox, dict[str, Any], str]:
+    sb, index = _where(backend, slot)
+    what = f"{remote}: download from slot {slot.slot_id}"
+    _count(slot, "download")
+    opened = await _ask(sb, {"op": "download", "slot": index, "path": remote, "offset": offset}, what)
+    return sb, opened, what
 
 
 async def download_file(backend: BackendView, slot: Slot, remote: str, fh: IO[bytes],
-                        offset: int = 0) -> Transfer:
+                        offset: int = 0, opened: tuple[Sandbox, dict[str, Any], str] | None = None) -> Transfer:
     """Write ``remote`` (from ``offset``) to binary file object ``fh``, positioned at ``offset``."""
     started = time.monotonic()
+    sb, info, what = opened or await _open_download(backend, slot, remote, offset)
+    if info["kind"] != "file":
+        await _close(sb, "download", info["stream"])
+        raise UsageError(f"{remote} is a directory in slot {slot.slot_id}: download it to a local "
+                         "directory path")
     digest = hashlib.sha256()
     if offset:
         fh.seek(0)
         digest = await asyncio.to_thread(_prefix_sha, fh, offset)
-
-    async def read(at: int) -> tuple[bytes, int]:
-        result = await backend.execute(slot, "read_artifact", {
-            "path": remote, "encoding": "base64", "offset": at, "max_bytes": CHUNK_BYTES})
-        if not result.success:
-            raise TransferError(f"{remote}: cannot read it from slot {slot.slot_id}: {result.error}")
-        data = await asyncio.to_thread(base64.b64decode, result.output)
-        return data, int(result.metadata.get("size", 0))
+    got = [0]
 
     def write(piece: bytes) -> None:
         fh.write(piece)
         digest.update(piece)
+        got[0] += len(piece)
 
-    piece, size = await read(offset)
-    got = 0
-    pending: deque[asyncio.Future] = deque()
-    at = offset + len(piece)
-    try:
-        while True:
-            while len(pending) < DEPTH - 1 and at < size:
-                pending.append(asyncio.ensure_future(read(at)))
-                at += CHUNK_BYTES
-            if piece:
-                await asyncio.to_thread(write, piece)
-                got += len(piece)
-            if not pending:
-                break
-            piece, _ = await pending.popleft()
-    finally:
-        for fut in pending:
-            fut.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+    there = await _receive(sb, info["stream"], write, what)
     await asyncio.to_thread(fh.flush)
-    there = await _checksum(backend, slot, remote)
-    if there["size"] != offset + got or there["sha256"] != digest.hexdigest():
+    if there["size"] != offset + got[0] or there["sha256"] != digest.hexdigest():
         raise TransferError(f"{remote}: checksum differs after the download (slot: {there['size']} "
-                            f"bytes, sha256 {there['sha256']}; host: {offset + got} bytes, "
-                            f"{digest.hexdigest()}); did the file change meanwhile?")
-    return Transfer(remote, got, offset + got, 1, digest.hexdigest(), time.monotonic() - started)
+                            f"bytes, sha256 {there['sha256']}; host: {offset + got[0]} bytes, "
+                            f"{digest.hexdigest()})")
+    return Transfer(remote, got[0], offset + got[0], 1, digest.hexdigest(), time.monotonic() - started)
+
+
+class _BlobReader:
+    """Chunks handed over by the loop (``queue``), read by :func:`tarstream.unpack` in its thread."""
+
+    def __init__(self) -> None:
+        self.items: queue.Queue[bytes | None] = queue.Queue(maxsize=DEPTH)
+        self.view = memoryview(b"")
+        self.ended = False
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.view:
+            if self.ended:
+                return b""
+            item = self.items.get()
+            if item is None:
+                self.ended = True
+                return b""
+            self.view = memoryview(item)
+        n = len(self.view) if n is None or n < 0 else n
+        out, self.view = self.view[:n].tobytes(), self.view[n:]
+        return out
+
+
+async def _download_tree(backend: BackendView, slot: Slot, remote: str, top: str,
+                         opened: tuple[Sandbox, dict[str, Any], str]) -> Transfer:
+    started = time.monotonic()
+    sb, info, what = opened
+    try:
+        await asyncio.to_thread(os.makedirs, top, exist_ok=True)
+        fd = await asyncio.to_thread(os.open, top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        await _close(sb, "download", info["stream"])
+        raise UsageError(f"cannot write {top!r}: {exc.strerror}") from None
+    reader = _BlobReader()
+    digest = hashlib.sha256()
+
+    def unpack() -> tuple[int, int]:
+        try:
+            return tarstream.unpack(reader, fd)
+        finally:
+            os.close(fd)
+            while not reader.ended:  # drain, so that the loop's puts never block
+                reader.view = memoryview(b"")
+                reader.read(1)
+
+    loop = asyncio.get_running_loop()
+    unpacking = loop.run_in_executor(None, unpack)
+
+    def feed(blob: bytes) -> None:
+        digest.update(blob)
+        if unpacking.done():
+            return  # it failed: its error is raised below
+        reader.items.put(blob)
+
+    try:
+        there = await _receive(sb, info["stream"], feed, what)
+    finally:
+        await asyncio.to_thread(reader.items.put, None)
+        try:
+            made, size = await unpacking
+        except tarstream.TarRefused as exc:
+            raise TransferError(f"{remote}: the slot's tar stream was refused: {exc}; nothing was "
+                                f"written outside {top}") from None
+        except OSError as exc:
+            raise TransferError(f"{remote}: cannot write below {top}: {exc}") from None
+    if there["sha256"] != digest.hexdigest() or there["files"] != made:
+        raise TransferError(f"{remote}: the tar stream differs after the download (slot: {there['files']} "
+                            f"files, sha256 {there['sha256']}; host: {made} files, {digest.hexdigest()})")
+    return Transfer(remote, size, size, made, None, time.monotonic() - started, int(there.get("skipped", 0)))
 
 
 async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offset: int = 0) -> Transfer:
@@ -238,27 +419,26 @@ async def download(backend: BackendView, slot: Slot, remote: str, local: Any, of
     """``backend.download``: into a local path (file, or directory for a remote directory)
     or a binary file object."""
     _check(slot, remote, offset)
-    listing = await backend.execute(slot, "list_files", {"path": remote, "max_entries": 1})
-    is_dir = listing.success
+    if not isinstance(local, (str, os.PathLike)) and not hasattr(local, "write"):
+        raise UsageError("download() of a directory needs a local directory path; of a file, "
+                         f"a path or a binary file object (got {type(local).__name__})")
+    opened = await _open_download(backend, slot, remote, offset)
+    _sb, info, _what = opened
     if not isinstance(local, (str, os.PathLike)):
-        if is_dir or not hasattr(local, "write"):
-            raise UsageError("download() of a directory needs a local directory path; of a file, "
-                             f"a path or a binary file object (got {type(local).__name__})")
-        return await download_file(backend, slot, remote, local, offset)
+        return await download_file(backend, slot, remote, local, offset, opened)
     path = os.fspath(local)
-    if is_dir:
-        if offset:
-            raise UsageError("offset applies to a single file, not a directory")
-        return await _download_tree(backend, slot, remote, path)
+    if info["kind"] == "dir":
+        return await _download_tree(backend, slot, remote, path, opened)
     mode = "r+b" if offset else "wb"
     try:
         fh = await asyncio.to_thread(open, path, mode)
     except OSError as exc:
+        await _close(_sb, "download", info["stream"])
         raise UsageError(f"cannot write {path!r}: {exc.strerror}") from None
     with fh:
         if offset:
             fh.truncate(offset)
-        return await download_file(backend, slot, remote, fh, offset)
+        return await download_file(backend, slot, remote, fh, offset, opened)
 
 
 def _check(slot: Slot, remote: str, offset: int) -> None:
@@ -270,88 +450,23 @@ def _check(slot: Slot, remote: str, offset: int) -> None:
         raise UsageError(f"offset must be a whole number of bytes >= 0, got {offset!r}")
 
 
-def _plan_tree(top: str, remote: str) -> tuple[list[tuple[str, str]], list[str], int]:
-    """A local directory's ``(local file, remote path)`` pairs, its empty directories (as
-    remote paths) and how many entries are left out (links, special files)."""
-    pairs: list[tuple[str, str]] = []
-    empty: list[str] = []
-    skipped = 0
-    for dirpath, dirnames, filenames in os.walk(top):
-        rel = os.path.relpath(dirpath, top)
-        base = remote if rel == "." else posixpath.join(remote, *rel.split(os.sep))
-        if not filenames and not dirnames:
-            empty.append(base)
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            if os.path.islink(full) or not os.path.isfile(full):
-                skipped += 1
-            else:
-                pairs.append((full, posixpath.join(base, name)))
-        skipped += sum(1 for d in dirnames if os.path.islink(os.path.join(dirpath, d)))
-    return pairs, empty, skipped
-
-
-async def _upload_tree(backend: BackendView, slot: Slot, top: str, remote: str) -> Transfer:
-    started = time.monotonic()
-    pairs, empty, skipped = await asyncio.to_thread(_plan_tree, top, remote)
-    total = files = 0
-    for full, dest in pairs:
-        fh = await asyncio.to_thread(open, full, "rb")
-        with fh:
-            done = await upload_file(backend, slot, fh, dest)
-        total += done.bytes
-        files += 1
-    if empty:
-        made = await backend.execute(slot, "bash", {"command": "mkdir -p -- " + " ".join(map(shlex.quote, empty))})
-        if not made.success:
-            raise TransferError(f"{remote}: cannot make its empty directories: {made.output or made.error}")
-    return Transfer(remote, total, total, files, None, time.monotonic() - started, skipped)
-
-
-async def _download_tree(backend: BackendView, slot: Slot, remote: str, top: str) -> Transfer:
-    started = time.monotonic()
-    listing = await backend.execute(slot, "list_artifacts", {"path": remote, "recursive": True,
-                                                              "max_entries": 1_000_000})
-    if not listing.success:
-        raise TransferError(f"{remote}: cannot list it in slot {slot.slot_id}: {listing.error}")
-    entries = listing.metadata.get("details") or []
-    total = files = skipped = 0
-    await asyncio.to_thread(os.makedirs, top, exist_ok=True)
-    for entry in entries:
-        rel = entry["path"]
-        parts = [p for p in rel.split("/") if p]
-        if not parts or any(p in (".", "..") for p in parts) or "raw_path" in entry:
-            skipped += 1  # never a path outside ``top`` (the slot names its files)
-            continue
-        dest = os.path.join(top, *parts)
-        if entry.get("type") == "dir":
-            await asyncio.to_thread(os.makedirs, dest, exist_ok=True)
-        elif entry.get("type") == "file":
-            await asyncio.to_thread(os.makedirs, os.path.dirname(dest), exist_ok=True)
-            fh = await asyncio.to_thread(open, dest, "wb")
-            with fh:
-                done = await download_file(backend, slot, posixpath.join(remote, *parts), fh)
-            total += done.bytes
-            files += 1
-        else:
-            skipped += 1
-    return Transfer(remote, total, total, files, None, time.monotonic() - started, skipped)
-
-
 class TransferMethods:
     """``ToolBackend.upload`` and ``ToolBackend.download`` (a mixin; needs ``_check_open``)."""
 
     async def upload(self, slot: Slot, local: Any, remote_path: str, offset: int = 0) -> Transfer:
         """Copy a local file or directory (or bytes, or a binary file object) into a slot.
 
-        Streamed in chunks of :data:`CHUNK_BYTES` over the sandbox's stream, at most
-        :data:`DEPTH` in flight, each written through the slot's own view with its
-        credentials; the whole file's SHA-256 is compared on both ends at the end.
+        Streamed in binary chunks of :data:`CHUNK_BYTES` over the sandbox's stream, at
+        most :data:`DEPTH` in flight, written through the slot's own view with its
+        credentials; the whole file's SHA-256 is compared on both ends at the end. A
+        directory goes as one tar stream, unpacked beneath the slot's directory (a
+        hostile member refuses the stream: see the module doc).
 
         Args:
             slot: a held slot.
-            local: a path (``str``/``PathLike``: a file, or a directory: its files and
-                empty directories, links left out), ``bytes``, or a binary file object.
+            local: a path (``str``/``PathLike``: a file, or a directory: its files,
+                directories and the symbolic links that stay inside it, with their modes),
+                ``bytes``, or a binary file object.
             remote_path: where in the slot (relative: to its workspace); parents are made.
             offset: resume: the slot's file already holds the first ``offset`` bytes of
                 ``local`` (checked by checksum); only the rest is sent.
@@ -360,8 +475,8 @@ class TransferMethods:
             A :class:`Transfer` (bytes moved, size, SHA-256, seconds).
 
         Raises:
-            TransferError: a chunk failed, the resume point does not match, or the
-                checksums differ.
+            TransferError: a chunk failed (no space, permission), the resume point does
+                not match, or the checksums differ.
             UsageError: bad arguments, a local file that cannot be read, a slot not held.
         """
         self._check_open()  # type: ignore[attr-defined]
@@ -376,8 +491,11 @@ class TransferMethods:
     async def download(self, slot: Slot, remote_path: str, local: Any, offset: int = 0) -> Transfer:
         """Copy a file or directory of a slot to a local path (or a binary file object).
 
-        Streamed as :meth:`upload`, read through the slot's own view; a directory's
-        entries are written only below ``local`` (names with ``..`` are left out).
+        Streamed as :meth:`upload`, read through the slot's own view; a directory comes
+        as a tar stream, unpacked beneath ``local`` relative to its descriptor; the
+        slot's files are untrusted: a name with ``..``, an absolute name, a link leading
+        out, a file below a link, a hard link to outside or a device node refuses the
+        stream (:class:`TransferError`), and nothing is written outside ``local``.
 
         Args:
             slot: a held slot.
@@ -391,8 +509,8 @@ class TransferMethods:
             A :class:`Transfer`.
 
         Raises:
-            TransferError: the slot's file cannot be read, or the checksums differ (the
-                file changed during the download).
+            TransferError: the slot's file cannot be read, it changed during the
+                download, the checksums differ, or a directory's stream was refused.
             UsageError: bad arguments, a local path that cannot be written, a slot not held.
         """
         self._check_open()  # type: ignore[attr-defined]
