@@ -247,17 +247,29 @@ async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash) -> Asy
 
 async def _upload_tree(backend: BackendView, slot: Slot, top: str, remote: str) -> Transfer:
     started = time.monotonic()
-    sb, index = _where(backend, slot)
-    what = f"{remote}: upload of directory {top} into slot {slot.slot_id}"
-    _count(slot, "upload")
-    opened = await _ask(sb, {"op": "upload", "slot": index, "path": remote, "kind": "tar"}, what)
     counts = [0, 0, 0]
     digest = hashlib.sha256()
-    there = await _send(sb, opened["stream"], _tar_chunks(top, counts, digest), what)
+    there = await upload_tar_stream(backend, slot, _tar_chunks(top, counts, digest), remote,
+                                    f"{remote}: upload of directory {top} into slot {slot.slot_id}")
     if there["sha256"] != digest.hexdigest() or there["files"] != counts[0]:
         raise TransferError(f"{remote}: the tar stream differs after the upload (slot: {there['files']} files, "
                             f"sha256 {there['sha256']}; host: {counts[0]} files, {digest.hexdigest()})")
     return Transfer(remote, counts[1], counts[1], counts[0], None, time.monotonic() - started, counts[2])
+
+
+async def upload_tar_stream(backend: BackendView, slot: Slot, chunks: AsyncIterator[bytes], remote: str,
+                            what: str) -> dict[str, Any]:
+    """Send a tar stream (``chunks``) to be unpacked beneath the slot's directory ``remote``
+    (made with its parents); return the agent's result (``files``, ``bytes``, ``sha256`` of
+    the stream). The agent refuses a hostile member (``agent/files/tarstream.py``).
+
+    Raises:
+        TransferError: refused, or the slot's file system refused a write.
+    """
+    sb, index = _where(backend, slot)
+    _count(slot, "upload")
+    opened = await _ask(sb, {"op": "upload", "slot": index, "path": remote, "kind": "tar"}, what)
+    return await _send(sb, opened["stream"], chunks, what)
 
 
 async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: str) -> dict[str, Any]:
