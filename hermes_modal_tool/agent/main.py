@@ -483,6 +483,7 @@ def main():
     os.close(devnull)
     os.set_inheritable(in_fd, False)
     os.set_inheritable(out_fd, False)
+    file_streams.widen_pipes(in_fd, out_fd)  # fewer wakeups per MiB of a transfer
     os.umask(0o022)
     sys.setswitchinterval(0.0005)  # the loop waits less for worker threads (spawns, layers)
     spawner_handle = spawner.start()  # now, while the agent is small and has one thread

@@ -12,7 +12,7 @@ import threading
 from . import files, tarstream
 
 #: Bytes per download chunk (the host sends upload chunks of its own size).
-CHUNK_BYTES = 1024 * 1024
+CHUNK_BYTES = 256 * 1024
 #: Download chunks read ahead of the host's requests, per stream.
 READ_AHEAD = 4
 #: Streams open at once per sandbox (each holds a thread and a descriptor).

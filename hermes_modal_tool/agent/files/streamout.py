@@ -12,6 +12,11 @@ import threading
 from . import tarstream
 from .streambase import CHUNK_BYTES, READ_AHEAD, Stream, StreamError, streams_of, text_of
 
+#: Bytes of frames the agent may have queued for the host before a download chunk waits.
+BULK_BACKLOG = 256 * 1024
+#: Seconds before a chunk held back looks again.
+BULK_RETRY_S = 0.001
+
 
 class Download(Stream):
     """A stream out of the slot: a file, or a directory as a tar stream."""
@@ -24,6 +29,7 @@ class Download(Stream):
         self.ready = collections.deque()  # ("data", bytes) / ("end", result) / ("error", text)
         self.waiting = collections.deque()  # request ids with no chunk yet
         self.final = None  # the last reply, repeated to requests past the end
+        self.retry = None  # the timer of a chunk held back (see _pair)
 
     # -- on the loop ---------------------------------------------------------------
     def request(self, msg):
@@ -38,10 +44,17 @@ class Download(Stream):
 
     def _offer(self, item):
         self.ready.append(item)
-        self._pair()
+        if self.retry is None:
+            self._pair()
 
     def _pair(self):
+        self.retry = None
         while self.waiting and (self.ready or self.final is not None):
+            if self.final is None and self.ready[0][0] == "data" and self._backlog() >= BULK_BACKLOG:
+                # The stream's bytes wait while other frames would queue behind many of them:
+                # a neighbour's result is never behind more than BULK_BACKLOG of a transfer.
+                self.retry = self.agent.loop.call_later(BULK_RETRY_S, self._pair)
+                return
             mid = self.waiting.popleft()
             if self.final is not None:
                 kind, value = self.final
@@ -58,9 +71,16 @@ class Download(Stream):
             else:
                 self.agent.send({"id": mid, "ok": True, "result": value, "blob": b""})
 
+    def _backlog(self):
+        agent = self.agent
+        return agent.out.get_write_buffer_size() + sum(len(frame) for frame in agent.outbox)
+
     def abort(self, mid=None):
         self.aborted = True
         self.room.release()
+        if self.retry is not None:
+            self.retry.cancel()
+            self.retry = None
 
     # -- in the stream's thread ----------------------------------------------------------
     def _put(self, item):
