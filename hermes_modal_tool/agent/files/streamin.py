@@ -98,9 +98,10 @@ class Upload(Stream):
                 written += len(blob)
                 self.taken = None
                 self.reply(mid, {"written": written})
+            size = os.fstat(fd).st_size  # what the file holds, not what was counted
         finally:
             os.close(fd)
-        self.reply(mid, {"size": self.offset + written, "bytes": written, "files": 1, "path": shown,
+        self.reply(mid, {"size": size, "bytes": written, "files": 1, "path": shown,
                          "sha256": self.digest.hexdigest()})
 
     def _owner(self):
