@@ -3,7 +3,9 @@ against ``cp`` of the same file on the same disk, and a neighbour slot's ``echo`
 trip (median, p99) meanwhile.
 
 One sandbox, two slots: the *neighbour* runs ``echo hi`` back to back while the other
-slot's file moves; a baseline of the neighbour alone is measured in the same run.
+slot's file moves; a baseline of the neighbour alone is measured in the same run. The
+load average (1 min) before and after each part is recorded: on a shared machine a
+transfer is bound by the CPU it gets.
 
 Usage::
 
@@ -45,6 +47,7 @@ async def with_neighbour(backend: ToolBackend, neighbour: Any, work) -> tuple[fl
     stop = asyncio.Event()
     lat: list[float] = []
     task = asyncio.ensure_future(echo_loop(backend, neighbour, stop, lat))
+    load = [round(os.getloadavg()[0], 1)]
     t0 = time.monotonic()
     try:
         await work()
@@ -52,7 +55,8 @@ async def with_neighbour(backend: ToolBackend, neighbour: Any, work) -> tuple[fl
         seconds = time.monotonic() - t0
         stop.set()
         await task
-    return seconds, {"echoes": len(lat), "p50_ms": round(quantile(lat, 0.5) * 1000, 2),
+    load.append(round(os.getloadavg()[0], 1))
+    return seconds, {"load_1min": load, "echoes": len(lat), "p50_ms": round(quantile(lat, 0.5) * 1000, 2),
                      "p99_ms": round(quantile(lat, 0.99) * 1000, 2),
                      "max_ms": round(max(lat, default=float("nan")) * 1000, 2)}
 
@@ -101,12 +105,16 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=1024, help="file size in MiB (default 1024)")
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument("--label", help="a name for this run, kept in the JSON (e.g. 'before')")
     args = parser.parse_args()
     result = asyncio.run(main(args.mb))
+    if args.label:
+        result["label"] = args.label
     print(f"{args.mb} MiB: upload {result['upload_MBps']} MB/s, download {result['download_MBps']} MB/s, "
           f"cp {result['cp_MBps']} MB/s; round trip equal: {result['round_trip_equal']}")
     for key in ("neighbour_alone", "neighbour_during_upload", "neighbour_during_download"):
         n = result[key]
-        print(f"  {key}: {n['echoes']} echoes, p50 {n['p50_ms']} ms, p99 {n['p99_ms']} ms, max {n['max_ms']} ms")
+        print(f"  {key}: {n['echoes']} echoes, p50 {n['p50_ms']} ms, p99 {n['p99_ms']} ms, max {n['max_ms']} ms"
+              f" (load {n['load_1min'][0]} -> {n['load_1min'][1]})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -4,7 +4,13 @@ This module is stdlib-only and runs on Python 3.8, because the in-sandbox agent
 imports it inside images we do not control.
 
 Framing: every message is one frame, a 4-byte big-endian payload length followed
-by that many bytes of UTF-8 JSON (one object). All slots of a sandbox share one
+by that many bytes of UTF-8 JSON (one object). A message with raw bytes (a chunk of a
+file transfer) is a *binary frame*: the length word has its top bit set
+(:data:`BINARY_FLAG`; a plain frame's length is below :data:`MAX_FRAME_BYTES`, so the
+bit was never set before, and a decoder without binary frames refuses it as too long),
+and its payload is a 4-byte big-endian JSON length, that JSON object, then the bytes,
+which the decoder hands back as the message's ``"blob"`` (``bytes``); :func:`encode`
+makes one for a message whose ``"blob"`` is bytes-like. No base64, no JSON escaping. All slots of a sandbox share one
 stream in each direction; requests carry an ``id`` and the response to a request
 carries the same ``id``, so responses may arrive in any order.
 
@@ -44,6 +50,15 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               "disk_peak_bytes", "notes"}`` (see ``hermes_modal_tool/agent/limits/usage.py``).
 ``checksum``  ``{"slot": int, "path": str}``: the file's ``{"sha256", "size", "path"}``, read
               through the slot's view (``agent/files/filesums.py``; streamed transfer checks).
+``upload``    ``{"slot": int, "path": str, "kind": "file"|"tar", "offset"?, "sha256"?}``: open a
+              stream into the slot (``agent/files/streams.py``), result ``{"stream"}``; then
+              ``{"stream", "blob"}`` per chunk (binary frames, answered once written) and
+              ``{"stream", "end": true}`` (result: ``size``, ``sha256``, ``files``, ``bytes``)
+              or ``{"stream", "abort": true}``.
+``download``  ``{"slot": int, "path": str, "offset"?}``: open a stream out of the slot (a file,
+              or a directory as a tar), result ``{"stream", "kind"}``; then ``{"stream"}``
+              per chunk, answered by a binary frame (``eof``, and at the end ``size``,
+              ``sha256``, ``files``, ``skipped``), or ``{"stream", "abort": true}``.
 ``ack``       ``{"bytes": int}`` with id 0: the host received that much streamed output
               (see ``output`` below); no answer.
 
@@ -69,10 +84,13 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 #: Largest frame either side accepts (bytes). A bigger frame is a protocol error.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+#: Top bit of a frame's length word: a binary frame (see the module doc).
+BINARY_FLAG = 0x80000000
+_JSON_LEN = struct.Struct(">I")
 
 OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
        "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack", "process", "usage",
-       "checksum")
+       "checksum", "upload", "download")
 
 #: Tools the agent knows, in the order error messages list them.
 TOOLS = (
@@ -291,6 +309,9 @@ def encode(message):
     """
     if not isinstance(message, dict):
         raise ProtocolError("a message must be a JSON object, got %s" % type(message).__name__)
+    blob = message.get("blob")
+    if blob is not None and isinstance(blob, (bytes, bytearray, memoryview)):
+        return _encode_binary(message, blob)
     try:
         payload = _dumps(message).encode("utf-8", "surrogatepass")
     except (TypeError, ValueError, RecursionError) as exc:
@@ -302,6 +323,21 @@ def encode(message):
     return HEADER.pack(len(payload)) + payload
 
 
+def _encode_binary(message, blob):
+    """A binary frame: the message less its ``blob`` as JSON, then the blob's bytes."""
+    head = dict(message)
+    del head["blob"]
+    try:
+        text = _dumps(head).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ProtocolError("message cannot be sent as JSON: %s" % exc) from None
+    size = 4 + len(text) + len(blob)
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            "message of %d bytes exceeds the %d byte frame limit" % (size, MAX_FRAME_BYTES))
+    return b"".join((HEADER.pack(size | BINARY_FLAG), _JSON_LEN.pack(len(text)), text, blob))
+
+
 def decode_payload(payload):
     """Decode one frame's payload (bytes) into a dict; raise ProtocolError if it is not one."""
     try:
@@ -310,6 +346,25 @@ def decode_payload(payload):
         raise ProtocolError("undecodable frame: %s" % exc) from None
     if not isinstance(message, dict):
         raise ProtocolError("frame is not a JSON object: %r" % (type(message).__name__,))
+    return message
+
+
+def _decode_binary(buf, start, end):
+    """The message of a binary frame's payload ``buf[start:end]``, with its ``blob``."""
+    if end - start < 4:
+        raise ProtocolError("binary frame of %d bytes has no JSON length" % (end - start))
+    (text_len,) = _JSON_LEN.unpack_from(buf, start)
+    if text_len > end - start - 4:
+        raise ProtocolError("binary frame's JSON length %d passes its end" % text_len)
+    cut = start + 4 + text_len
+    message = decode_payload(bytes(buf[start + 4 : cut]))
+    if "blob" in message:
+        raise ProtocolError("a binary frame's JSON must not have a 'blob' key")
+    view = memoryview(buf)
+    try:
+        message["blob"] = bytes(view[cut:end])  # one copy, out of the buffer
+    finally:
+        view.release()
     return message
 
 
@@ -339,6 +394,8 @@ class FrameDecoder:
         size = len(buf)
         while size - start >= 4:
             (length,) = HEADER.unpack_from(buf, start)
+            binary = length & BINARY_FLAG
+            length &= ~BINARY_FLAG
             if length > MAX_FRAME_BYTES:
                 raise ProtocolError(
                     "frame length %d exceeds the %d byte limit" % (length, MAX_FRAME_BYTES)
@@ -346,7 +403,10 @@ class FrameDecoder:
             end = start + 4 + length
             if end > size:
                 break
-            messages.append(decode_payload(bytes(buf[start + 4 : end])))
+            if binary:
+                messages.append(_decode_binary(buf, start + 4, end))
+            else:
+                messages.append(decode_payload(bytes(buf[start + 4 : end])))
             start = end
         if start:
             del buf[:start]

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hermes_modal_tool import protocol
 from hermes_modal_tool.protocol import (
     MAX_FRAME_BYTES,
     TOOL_ARGS,
@@ -140,3 +141,20 @@ def test_check_args_fast_pass_says_what_the_full_check_says(tool, args):
     from hermes_modal_tool import protocol
 
     assert check_args(tool, args) == protocol._first_problem(tool, TOOL_ARGS.get(tool), args)
+
+
+def test_a_binary_frame_carries_raw_bytes_beside_plain_frames():
+    blob = bytes(range(256)) * 4099  # every byte value, no base64
+    frames = (protocol.encode({"id": 1, "op": "status"})
+              + protocol.encode({"id": 2, "op": "upload", "stream": "u1", "blob": blob})
+              + protocol.encode({"id": 3, "op": "download", "blob": b""}))
+    assert len(frames) < len(blob) + 200  # the bytes as they are
+    d = protocol.FrameDecoder()
+    got = []
+    for i in range(0, len(frames), 65536):  # as a pipe hands them over
+        got += d.feed(frames[i:i + 65536])
+    assert got == [{"id": 1, "op": "status"}, {"id": 2, "op": "upload", "stream": "u1", "blob": blob},
+                   {"id": 3, "op": "download", "blob": b""}] and d.pending == 0
+    bad = protocol.HEADER.pack(8 | protocol.BINARY_FLAG) + protocol.HEADER.pack(99) + b"{}xx"
+    with pytest.raises(protocol.ProtocolError, match="JSON length 99 passes its end"):
+        protocol.FrameDecoder().feed(bad)

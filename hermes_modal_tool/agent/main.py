@@ -20,6 +20,7 @@ import sys
 from .. import protocol
 from ..deadlines import Deadlines
 from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
+from .files import streams as file_streams
 from .files.filesums import dispatch as dispatch_checksum
 from .fs import mounts, rootfs, trees
 from .limits import admission, quiet
@@ -140,6 +141,8 @@ class Agent(Setup, Calls, DiskWatch):
             ptyprocs.dispatch(self, msg)  # a slot's processes (agent/shells/ptyprocs.py)
         elif op == "checksum":
             dispatch_checksum(self, msg)  # a file's SHA-256, in a worker thread (agent/files/filesums.py)
+        elif op in ("upload", "download"):
+            file_streams.dispatch(self, msg)  # streamed transfer, a thread each (agent/files/streams.py)
         elif op == "usage":
             dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/limits/usage.py)
         elif op == "ack":
@@ -204,6 +207,7 @@ class Agent(Setup, Calls, DiskWatch):
             await slot.idle.wait()
         slot.set_busy(mid)
         ptyprocs.forget(self, slot.index)  # the reset kills them
+        file_streams.drop_slot(self, slot.index)  # its transfers stop writing the old layer
         had_shell = slot.shell.used
         answered = []
 
@@ -354,6 +358,7 @@ class Agent(Setup, Calls, DiskWatch):
         if self.closing:
             return
         self.closing = True
+        file_streams.drop_all(self)
         for slot in self.slots.values():
             if slot.pending is not None:
                 self._finish_pending(slot, STOPPED_BEFORE)
@@ -483,6 +488,7 @@ def main():
     os.close(devnull)
     os.set_inheritable(in_fd, False)
     os.set_inheritable(out_fd, False)
+    file_streams.widen_pipes(in_fd, out_fd)  # fewer wakeups per MiB of a transfer
     os.umask(0o022)
     sys.setswitchinterval(0.0005)  # the loop waits less for worker threads (spawns, layers)
     spawner_handle = spawner.start()  # now, while the agent is small and has one thread

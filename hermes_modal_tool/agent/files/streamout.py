@@ -1,0 +1,183 @@
+"""A ``download`` stream: a slot's file, or a directory as a tar stream, read into chunks
+in the stream's own thread, at most ``READ_AHEAD`` ahead of the host (see :mod:`.streams`).
+
+Stdlib-only, Python 3.8.
+"""
+
+import collections
+import os
+import stat
+import threading
+
+from . import tarstream
+from .streambase import CHUNK_BYTES, READ_AHEAD, Stream, StreamError, streams_of, text_of
+
+#: Bytes of frames the agent may have queued for the host before a download chunk waits.
+BULK_BACKLOG = 256 * 1024
+#: Seconds before a chunk held back looks again.
+BULK_RETRY_S = 0.001
+
+
+class Download(Stream):
+    """A stream out of the slot: a file, or a directory as a tar stream."""
+
+    op = "download"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.room = threading.Semaphore(READ_AHEAD)  # chunks read and not yet sent
+        self.ready = collections.deque()  # ("data", bytes) / ("end", result) / ("error", text)
+        self.waiting = collections.deque()  # request ids with no chunk yet
+        self.final = None  # the last reply, repeated to requests past the end
+        self.retry = None  # the timer of a chunk held back (see _pair)
+
+    # -- on the loop ---------------------------------------------------------------
+    def request(self, msg):
+        mid = msg.get("id")
+        if msg.get("abort"):
+            self.abort()
+            streams_of(self.agent).pop(self.sid, None)
+            self.agent.send({"id": mid, "ok": True, "result": {}})
+            return
+        self.waiting.append(mid)
+        self._pair()
+
+    def _offer(self, item):
+        self.ready.append(item)
+        if self.retry is None:
+            self._pair()
+
+    def _pair(self):
+        self.retry = None
+        while self.waiting and (self.ready or self.final is not None):
+            if self.final is None and self.ready[0][0] == "data" and self._backlog() >= BULK_BACKLOG:
+                # The stream's bytes wait while other frames would queue behind many of them:
+                # a neighbour's result is never behind more than BULK_BACKLOG of a transfer.
+                self.retry = self.agent.loop.call_later(BULK_RETRY_S, self._pair)
+                return
+            mid = self.waiting.popleft()
+            if self.final is not None:
+                kind, value = self.final
+            else:
+                kind, value = self.ready.popleft()
+                if kind == "data":
+                    self.room.release()
+                else:
+                    self.final = (kind, value)
+            if kind == "error":
+                self.agent.send({"id": mid, "ok": False, "error": value})
+            elif kind == "data":
+                self.agent.send({"id": mid, "ok": True, "result": {"eof": False}, "blob": value})
+            else:
+                self.agent.send({"id": mid, "ok": True, "result": value, "blob": b""})
+
+    def _backlog(self):
+        agent = self.agent
+        return agent.out.get_write_buffer_size() + sum(len(frame) for frame in agent.outbox)
+
+    def abort(self, mid=None):
+        self.aborted = True
+        self.room.release()
+        if self.retry is not None:
+            self.retry.cancel()
+            self.retry = None
+
+    # -- in the stream's thread ----------------------------------------------------------
+    def _put(self, item):
+        self.agent.loop.call_soon_threadsafe(self._offer, item)
+
+    def _chunk(self, data):
+        self.room.acquire()
+        if self.aborted:
+            raise StreamError("the download was aborted")
+        self._put(("data", data))
+
+    def failed(self, exc):
+        if self.open_id is not None:
+            self.reply(self.open_id, error=text_of(exc))
+        elif not self.aborted:
+            self._put(("error", text_of(exc)))
+
+    def forget(self):
+        pass  # the host's closing request drops it (it may still ask past the end)
+
+    def serve(self):
+        ws = self.slot.workspace
+        dir_fd, name, shown = ws.walk(self.path)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False) if name is not None else None
+        except FileNotFoundError:
+            raise StreamError("no such file or directory: %s" % shown) from None
+        finally:
+            os.close(dir_fd)
+        if st is None or stat.S_ISDIR(st.st_mode):
+            if self.offset:
+                raise StreamError("offset applies to a single file; %s is a directory" % shown)
+            fd, shown = self._open_dir(create=False)
+            try:
+                self.reply(self.open_id, {"stream": self.sid, "kind": "dir", "path": shown})
+                self.open_id = None
+                out = _Chunker(self)
+                made, size, skipped = tarstream.pack(fd, out, ws.uid)
+                out.flush()
+            finally:
+                os.close(fd)
+            self._put(("end", {"eof": True, "files": made, "size": size, "bytes": size,
+                               "skipped": skipped, "sha256": self.digest.hexdigest(),
+                               "stream_bytes": out.sent}))
+            return
+        fh, st, shown = ws.open_read(self.path)
+        with fh:
+            fd = fh.fileno()
+            self.reply(self.open_id, {"stream": self.sid, "kind": "file", "path": shown,
+                                      "size": st.st_size})
+            self.open_id = None
+            at = 0
+            while at < self.offset:  # the host's first bytes: in the checksum, not sent
+                piece = os.pread(fd, min(CHUNK_BYTES, self.offset - at), at)
+                if not piece:
+                    break
+                self.digest.update(piece)
+                at += len(piece)
+            sent = 0
+            while True:
+                piece = os.pread(fd, CHUNK_BYTES, at)
+                if not piece:
+                    break
+                self.digest.update(piece)
+                at += len(piece)
+                sent += len(piece)
+                self._chunk(piece)
+            now = os.fstat(fd)
+        if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns) or at != st.st_size:
+            raise StreamError("%s changed during the download (%d bytes when it started, %d now)"
+                              % (shown, st.st_size, now.st_size))
+        self._put(("end", {"eof": True, "files": 1, "size": at, "bytes": sent,
+                           "sha256": self.digest.hexdigest(), "path": shown}))
+
+
+class _Chunker:
+    """A file object for :func:`tarstream.pack` that sends what it is given in chunks of
+    :data:`CHUNK_BYTES` (waiting while :data:`READ_AHEAD` are unsent)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.buf = bytearray()
+        self.sent = 0
+
+    def write(self, data):
+        self.buf += data
+        while len(self.buf) >= CHUNK_BYTES:
+            self._send(bytes(self.buf[:CHUNK_BYTES]))
+            del self.buf[:CHUNK_BYTES]
+        return len(data)
+
+    def flush(self):
+        if self.buf:
+            self._send(bytes(self.buf))
+            self.buf = bytearray()
+
+    def _send(self, chunk):
+        self.stream.digest.update(chunk)
+        self.sent += len(chunk)
+        self.stream._chunk(chunk)

@@ -1,0 +1,105 @@
+"""The ``upload`` and ``download`` ops: a file, or a directory as a tar stream, into or out
+of a slot, in binary frames (the agent's side of ``hermes_modal_tool/filetransfer.py``).
+
+Stdlib-only, Python 3.8.
+
+Each stream has a thread of its own (never one of the ``files`` workers the file tools
+of every slot share, never the event loop): it opens the target the way the file tools
+do (:class:`.files.Workspace`: from the slot's root, no link the slot made leads out,
+with the slot's filesystem credentials, files given to the slot's uid), then writes the
+chunks the host sends to that descriptor, or reads the file into chunks, and keeps the
+SHA-256 of what passed. A directory goes through :mod:`.tarstream` relative to the
+directory's descriptor. On the loop a chunk costs a dict and a queue put: the bytes
+come in a binary frame (``protocol``: no base64, no JSON), so a transfer never stalls
+the loop that serves the other slots.
+
+Flow control and memory: an upload chunk is answered once written, so the host's
+window bounds what waits; a download reads at most :data:`READ_AHEAD` chunks ahead of
+the host's requests. A slot's reset or the agent's shutdown aborts its streams
+(:func:`drop_slot`, :func:`drop_all`).
+"""
+
+import itertools
+
+from .streambase import MAX_STREAMS, StreamError, streams_of, text_of
+from .streamin import Upload
+from .streamout import Download
+
+_ids = itertools.count(1)
+
+
+def dispatch(agent, msg):
+    """Serve an ``upload`` or ``download`` message (see ``protocol``)."""
+    mid = msg.get("id")
+    try:
+        sid = msg.get("stream")
+        if sid is None:
+            _open(agent, msg)
+            return
+        stream = streams_of(agent).get(sid)
+        if stream is None or stream.op != msg.get("op"):
+            if msg.get("abort"):
+                agent.send({"id": mid, "ok": True, "result": {}})
+                return
+            raise StreamError("no %s stream %r" % (msg.get("op"), sid))
+        stream.request(msg)
+    except Exception as exc:  # noqa: BLE001 - reported to the host
+        agent.send({"id": mid, "ok": False, "error": text_of(exc)})
+
+
+def _open(agent, msg):
+    op = msg.get("op")
+    slot = agent.slots.get(msg.get("slot"))
+    path = msg.get("path")
+    offset = msg.get("offset") or 0
+    kind = msg.get("kind") or "file"
+    if slot is None or not isinstance(path, str) or not path or "\x00" in path:
+        raise StreamError("%s needs a slot of this sandbox and a path, got slot %r path %r"
+                          % (op, msg.get("slot"), path))
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise StreamError("offset must be a whole number of bytes >= 0, got %r" % (offset,))
+    if op == "upload" and kind not in ("file", "tar"):
+        raise StreamError("upload kind must be 'file' or 'tar', got %r" % (kind,))
+    streams = streams_of(agent)
+    if len(streams) >= MAX_STREAMS:
+        raise StreamError("%d transfers are open in this sandbox already; finish one first" % MAX_STREAMS)
+    slot.prepare_dirs()  # cheap (the layered root is built in the stream's thread)
+    slot.dirty = True  # a reset must drop what an upload wrote (and the root a download built)
+    sid = "%s%d" % ("u" if op == "upload" else "d", next(_ids))
+    stream = (Upload if op == "upload" else Download)(agent, slot, sid, msg, kind, offset)
+    streams[sid] = stream
+    stream.thread.start()
+
+
+#: Bytes of the agent's stdin and stdout pipes (Linux's ``F_SETPIPE_SZ``; 64 KiB by default).
+PIPE_BYTES = 1024 * 1024
+F_SETPIPE_SZ = 1031
+
+
+def widen_pipes(*fds):
+    """Make the protocol's pipes hold :data:`PIPE_BYTES` where the kernel lets this process
+    (a chunk of a transfer then takes one wakeup of each end, not sixteen); a descriptor
+    that is no pipe, or a refusal (``/proc/sys/fs/pipe-max-size``), leaves it as it is."""
+    import fcntl
+
+    for fd in fds:
+        try:
+            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
+
+
+def drop_slot(agent, index):
+    """Abort the streams of slot ``index`` (its reset): their threads close their files."""
+    streams = streams_of(agent)
+    for sid, stream in list(streams.items()):
+        if stream.slot.index == index:
+            stream.abort()
+            if stream.op == "download":
+                del streams[sid]
+
+
+def drop_all(agent):
+    """Abort every stream (the agent shuts down)."""
+    for stream in list(streams_of(agent).values()):
+        stream.abort()
