@@ -288,9 +288,10 @@ def _dumps(message):
 
 
 def _loads(payload):
-    """``json.loads`` of one payload (bytes), through the C scanner when it takes the
-    whole of it (anything else goes the slow way, for the same result or error)."""
-    text = payload.decode("utf-8", "surrogatepass")
+    """``json.loads`` of one payload (bytes, or any bytes-like object: decoded straight
+    from it), through the C scanner when it takes the whole of it (anything else goes
+    the slow way, for the same result or error)."""
+    text = str(payload, "utf-8", "surrogatepass")
     if _SCAN is not None:
         try:
             value, end = _SCAN(text, 0)
@@ -339,7 +340,8 @@ def _encode_binary(message, blob):
 
 
 def decode_payload(payload):
-    """Decode one frame's payload (bytes) into a dict; raise ProtocolError if it is not one."""
+    """Decode one frame's payload (bytes or a bytes-like object) into a dict; raise
+    ProtocolError if it is not one."""
     try:
         message = _loads(payload)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -386,30 +388,51 @@ class FrameDecoder:
         self._buffer = bytearray()
 
     def feed(self, data):
-        """Add bytes; return the list of messages completed by them (maybe empty)."""
+        """Add bytes; return the list of messages completed by them (maybe empty).
+
+        Whole frames are decoded straight from ``data`` (one copy, into the text the
+        JSON scanner reads); only an incomplete frame's bytes are kept for the next
+        call. Before, every read was appended to the buffer and each payload copied
+        twice more (a slice, then ``bytes``)."""
         buf = self._buffer
-        buf += data
+        if buf:
+            buf += data
+            if len(buf) < 4:
+                return []
+            (length,) = HEADER.unpack_from(buf, 0)
+            length &= ~BINARY_FLAG
+            if length <= MAX_FRAME_BYTES and len(buf) < 4 + length:
+                return []  # the frame is still incomplete: nothing copied (a large frame comes in many reads)
+            data = bytes(buf)
+            del buf[:]
         messages = []
         start = 0
-        size = len(buf)
-        while size - start >= 4:
-            (length,) = HEADER.unpack_from(buf, start)
-            binary = length & BINARY_FLAG
-            length &= ~BINARY_FLAG
-            if length > MAX_FRAME_BYTES:
-                raise ProtocolError(
-                    "frame length %d exceeds the %d byte limit" % (length, MAX_FRAME_BYTES)
-                )
-            end = start + 4 + length
-            if end > size:
-                break
-            if binary:
-                messages.append(_decode_binary(buf, start + 4, end))
-            else:
-                messages.append(decode_payload(bytes(buf[start + 4 : end])))
-            start = end
-        if start:
-            del buf[:start]
+        size = len(data)
+        view = memoryview(data)
+        try:
+            while size - start >= 4:
+                (length,) = HEADER.unpack_from(data, start)
+                binary = length & BINARY_FLAG
+                length &= ~BINARY_FLAG
+                if length > MAX_FRAME_BYTES:
+                    raise ProtocolError(
+                        "frame length %d exceeds the %d byte limit" % (length, MAX_FRAME_BYTES)
+                    )
+                end = start + 4 + length
+                if end > size:
+                    break
+                if binary:
+                    messages.append(_decode_binary(view, start + 4, end))
+                else:
+                    messages.append(decode_payload(view[start + 4 : end]))
+                start = end
+        except ProtocolError:
+            buf += view[start:]  # as before: the bad frame stays at the front
+            raise
+        finally:
+            view.release()
+        if start < size:
+            buf += data[start:]
         return messages
 
     @property

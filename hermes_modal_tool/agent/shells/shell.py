@@ -29,6 +29,7 @@ before the call ends.
 Starting: :mod:`.shellstart`. Timeouts and stopping: :mod:`.shellprocs`.
 """
 
+import fcntl
 import os
 import time
 
@@ -137,10 +138,20 @@ class Shell(ShellStart, ShellProcesses):
             target.feed_err(data)
 
     def _drain_err(self, collector):
-        """Read what stderr holds now (one empty read on the common path; at most
-        1 MiB, should a process the command left behind keep writing)."""
+        """Read what stderr holds now (at most 1 MiB, should a process the command left
+        behind keep writing). The common path, an empty pipe, costs one ``FIONREAD``
+        (~0.9 µs): a read would fail with EAGAIN, and Python makes an exception of it
+        (~2.8 µs)."""
         fd = self.err_fd
-        for _ in range(16 if fd is not None else 0):
+        if fd is None:
+            return
+        if _FIONREAD is not None:
+            try:
+                if fcntl.ioctl(fd, _FIONREAD, _NO_BYTES) == _NO_BYTES:
+                    return
+            except OSError:
+                pass  # the reads below find out
+        for _ in range(16):
             try:
                 data = os.read(fd, 65536)
             except (BlockingIOError, OSError):
@@ -325,6 +336,14 @@ class Shell(ShellStart, ShellProcesses):
         if streams:
             result.update(streams)
         on_done(result)
+
+
+#: ``FIONREAD``'s answer (the bytes a pipe holds, a native int) when it holds none.
+_NO_BYTES = bytes(4)
+try:
+    from termios import FIONREAD as _FIONREAD  # its number differs between architectures
+except ImportError:  # a Python built without termios: an EAGAIN read instead
+    _FIONREAD = None
 
 
 def _timed_out(shell):
