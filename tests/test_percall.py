@@ -1,5 +1,5 @@
 """What each call costs the agent, and what it must still do: the slot's layer checked
-for a full disk with one ``fstatfs`` (agent/fs/slotdisk.py), stderr drained before a
+for a full disk with ``fstatfs`` of its descriptor (agent/fs/slotdisk.py), stderr drained before a
 call ends after one ``FIONREAD`` (agent/shells/shell.py)."""
 
 from __future__ import annotations
@@ -35,28 +35,25 @@ def _fill(root: str) -> int:
 
 
 @loop_devices
-def test_a_layers_full_state_is_kept_per_layer_and_forgotten_with_it():
-    """``full`` answers from the descriptor and is remembered for ``last_full`` (what a
-    bash call takes as the state before it, instead of a second ``fstatfs``); a released
-    layer's answer goes with it, since its descriptor's number names the next layer."""
+def test_a_layers_full_state_is_read_from_its_descriptor():
+    """``full`` answers from the layer's descriptor (one ``fstatfs``): not full while
+    the layer takes writes, full once the kernel refused one with ENOSPC, and a new
+    layer attached after a release is not full (nothing is remembered per number)."""
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         disks = slotdisk.LayerDisks(d, slotdisk.MIN_MB)
         disks.prepare()
         mfd = disks.attach()
         try:
-            assert disks.last_full(mfd) is None  # never asked
-            assert disks.full(mfd) is False and disks.last_full(mfd) is False
+            assert disks.full(mfd) is False
             written = _fill(slotdisk.fd_path(mfd))
             assert written > 0  # the positive control: it held something, then refused
-            assert disks.last_full(mfd) is False  # no system call: the last answer
-            assert disks.full(mfd) is True and disks.last_full(mfd) is True
+            assert disks.full(mfd) is True
         finally:
             disks.release(mfd)
-        assert disks.last_full(mfd) is None
         again = disks.attach()
         try:
             # The kernel hands out the lowest free descriptor: most likely the same number.
-            assert disks.last_full(again) is None and disks.full(again) is False
+            assert disks.full(again) is False
         finally:
             disks.release(again)
             disks.close()

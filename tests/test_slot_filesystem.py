@@ -249,6 +249,20 @@ async def test_slot_disk_limit_is_enforced_and_named(make_backend):
     assert not r.success and "slot_disk = 64 MiB" in r.error, (r.output, r.error)
     r = await bash(backend, hog, "rm -f /opt/f*; head -c 16M /dev/zero > /opt/g && echo wrote")
     assert r.success and r.output == "wrote\n", (r.output, r.error)
+    # A layer that something else filled between two calls (a process the slot left
+    # running) is not the next command's doing: that command keeps its exit code 0.
+    r = await bash(backend, hog, "rm -f /opt/f* /opt/g; (sleep 1; for i in $(seq 100); do head -c 1048576 "
+                                 "/dev/zero > /opt/h$i || break; done; echo full > /tmp/filled) "
+                                 "> /dev/null 2>&1 & echo started")
+    assert r.success and r.output == "started\n", (r.output, r.error)
+    for _ in range(600):  # a file tool asks: no bash call ends while the layer fills
+        [seen] = await backend.execute_batch([(hog, "read_file", {"path": "/tmp/filled"})])
+        if seen.success:
+            break
+        await asyncio.sleep(0.1)
+    assert seen.success and "full" in seen.output, seen
+    r = await bash(backend, hog, "echo innocent")
+    assert r.success and r.output == "innocent\n" and not r.error, (r.output, r.error)
 
 
 async def test_workspace_only_mode_is_explicit(make_backend):

@@ -103,7 +103,6 @@ class LayerDisks:
         self._fds = set()  # detached mounts held
         self._attached = set()  # frozen layers' mount points
         self._base = None  # (bytes, inodes) an empty one uses
-        self._full = {}  # mfd -> what the last full(mfd) answered (dropped with the layer)
         self._lock = threading.Lock()
 
     def prepare(self):
@@ -172,7 +171,6 @@ class LayerDisks:
         """Let the layer file system held by ``mfd`` go (unmount its overlay first): the
         kernel frees it, its loop device and its file once nothing uses it."""
         with self._lock:
-            self._full.pop(mfd, None)  # the descriptor's number may name a new layer next
             if mfd not in self._fds:
                 return
             self._fds.discard(mfd)
@@ -207,20 +205,12 @@ class LayerDisks:
         """Whether the layer file system ``mfd`` is (nearly) full: under 1 MiB or no inode
         left. O(1): one ``fstatfs`` of the descriptor itself (a path through
         ``/proc/self/fd`` cost four times as much: a walk of procfs and its checks, ~5 µs
-        against ~1.5 µs here), cheap enough for the event loop. The answer is kept for
-        :meth:`last_full`."""
+        against ~1.5 µs here), cheap enough for the event loop."""
         try:
             st = os.statvfs(mfd)
         except OSError:
             return False
-        full = st.f_bavail * st.f_frsize < 1048576 or st.f_favail == 0
-        self._full[mfd] = full
-        return full
-
-    def last_full(self, mfd):
-        """What :meth:`full` last answered for the layer ``mfd`` (True or False), or None
-        if it was never asked since the layer was attached. No system call."""
-        return self._full.get(mfd)
+        return st.f_bavail * st.f_frsize < 1048576 or st.f_favail == 0
 
     def close(self, threads=8):
         """Let every layer file system of ours go (the agent is stopping), ``threads`` at a

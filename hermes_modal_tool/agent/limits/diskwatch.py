@@ -91,11 +91,9 @@ class DiskWatch:
     def _disk_full_checked(self, slot, done):
         """Where the kernel enforces the limit (:mod:`.slotdisk`): name it in a bash
         call's result when the command filled the slot's layer (full as it ends, not as it
-        was queued). One ``fstatfs`` per call, on the loop (O(1)): as it ends. How full
-        the layer was as the call was queued is what the check at the end of the slot's
-        last bash call found (``LayerDisks.last_full``; measured only for a new layer), so
-        a layer something else filled meanwhile (a file tool, a process left running) is
-        named by the next bash call that ends."""
+        was queued: a layer something else filled meanwhile, a file tool or a process
+        left running, is not this command's doing). Two ``fstatfs`` of the layer's
+        descriptor per call, on the loop (O(1))."""
         disks = self.layer_disks
 
         def disk():
@@ -106,10 +104,7 @@ class DiskWatch:
             mfd = disk()
             return mfd is not None and disks.full(mfd)
 
-        mfd = disk()
-        was_full = disks.last_full(mfd) if mfd is not None else False
-        if was_full is None:
-            was_full = disks.full(mfd)
+        was_full = full()
 
         def finish(result):
             if not was_full and full():
