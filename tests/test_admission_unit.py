@@ -304,6 +304,15 @@ def test_new_admissions_bring_a_late_sampling_timer_forward(clock) -> None:
     assert late.cancelled and g.timer is not late
 
 
+def test_a_gate_with_no_room_at_all_still_wakes_up_to_try(clock) -> None:
+    g = gate(clock, limit=YOUNG_WEIGHT / 2)  # not even a young command fits
+    started: list[str] = []
+    g.enqueue("a", computes(), lambda: started.append("a"))
+    assert started == [] and not g.counted
+    [timer] = g.loop.pending()  # nothing counted to sample: it tries again a check later
+    assert timer.when() == pytest.approx(clock.now + FIRST_CHECK_S)
+
+
 def test_default_limit_follows_the_cpus(monkeypatch) -> None:
     monkeypatch.setattr(adm.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert adm.default_limit() == 12

@@ -161,12 +161,16 @@ def test_text_reads_see_the_first_max_read_bytes(ws, monkeypatch) -> None:
     assert text == "bbb\nccc\n" and info["next_offset"] is None
 
 
-def test_byte_offset_past_its_line_is_refused_naming_it(ws) -> None:
-    put(ws, "a.txt", b"abc\ndef\n")
-    text, info = ft.read_file(ws, {"path": "a.txt", "offset": 1, "byte_offset": 3})
-    assert text == "\n" and info["byte_offset"] == 3
-    with pytest.raises(FileToolError, match=r"byte_offset 4 is past the end of line 1 \(3 bytes long\)"):
-        ft.read_file(ws, {"path": "a.txt", "offset": 1, "byte_offset": 4})
+@pytest.mark.parametrize("chunk", [3, 1 << 20])
+def test_byte_offset_past_its_line_is_refused_naming_it(ws, monkeypatch, chunk) -> None:
+    monkeypatch.setattr(ft, "READ_CHUNK", chunk)  # the line may start chunks after the first
+    put(ws, "a.txt", b"abc\ndefgh\nij\n")
+    text, info = ft.read_file(ws, {"path": "a.txt", "offset": 1, "byte_offset": 5})
+    assert text == "\nij\n" and info["byte_offset"] == 5
+    with pytest.raises(FileToolError, match=r"byte_offset 6 is past the end of line 1 \(5 bytes long\)"):
+        ft.read_file(ws, {"path": "a.txt", "offset": 1, "byte_offset": 6})
+    with pytest.raises(FileToolError, match=r"byte_offset 3 is past the end of line 2 \(2 bytes long\)"):
+        ft.read_file(ws, {"path": "a.txt", "offset": 2, "byte_offset": 3})
     with pytest.raises(FileToolError, match="byte_offset is for text reads"):
         ft.read_file(ws, {"path": "a.txt", "encoding": "base64", "byte_offset": 1})
 
