@@ -23,6 +23,9 @@ from hermes_modal_tool import resets
 from hermes_modal_tool._slot_record import SlotRecord
 from hermes_modal_tool.errors import SandboxDiedError, SandboxError
 
+#: The module's own values (the fixture below shortens the delays for the other tests).
+RETRY_S, TIMEOUT_S = resets.QUARANTINE_RETRY_S, resets.RESET_TIMEOUT_S
+
 
 class StandInSandbox:
     """Answers each request with the next of ``answers`` (a reply dict or an exception)."""
@@ -185,3 +188,13 @@ def test_the_retry_waits_its_delay() -> None:
         await task
         assert len(sb.requests) == 1
     asyncio.run(go())
+
+
+def test_the_delays_and_the_wait_are_the_documented_ones() -> None:
+    """SECURITY.md: a failed reset is "retried after 2, 10 and 30 s"; the host waits 60 s
+    for the agent's answer."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "SECURITY.md").read_text()
+    assert "retried after 2, 10 and 30 s" in text and "the host's 60 s wait" in text
+    assert RETRY_S == (2.0, 10.0, 30.0) and TIMEOUT_S == 60.0
