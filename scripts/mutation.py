@@ -85,10 +85,11 @@ TARGETS: dict[str, Target] = {
                "tests/test_snapshot_import_refusals.py"),
         timeout_s=240.0),
     # The image unpacker.
-    # (the in-process tests: the image cache unpacking hostile and ordinary archives).
+    # Before: the in-process tests of the image cache unpacking hostile and ordinary
+    # archives (each run builds its test images: slow); after: the unpacker's own tests.
     "unpack": Target(
         "hermes_modal_tool/images/unpack.py", (),
-        before=UNPACK, after=UNPACK + ("tests/test_unpack_unit.py",), timeout_s=240.0),
+        before=UNPACK, after=("tests/test_unpack_unit.py",), timeout_s=240.0, light_after=True),
     # Admission (how many shells start at once, memory checks).
     # Before: the sandbox tests (real hogs, timing-bound); after: the in-process tests.
     "admission": Target(
