@@ -137,7 +137,7 @@ def test_a_page_cut_inside_a_line_keeps_utf8_characters_whole(ws) -> None:
 def test_char_boundary_and_newline_helpers() -> None:
     assert ft._char_boundary(b"ab") == 2 and ft._char_boundary(b"") == 0
     e, euro, face = "\u00e9".encode(), "\u20ac".encode(), "\U0001f600".encode()
-    for ch in (e, euro, face):
+    for ch in (e, euro, face, "\u00c0".encode(), "\U00010000".encode()):  # ...80 continuations
         for cut in range(1, len(ch)):
             assert ft._char_boundary(b"a" + ch[:cut]) == 1, (ch, cut)
         assert ft._char_boundary(b"a" + ch) == 1 + len(ch)
