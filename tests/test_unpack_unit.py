@@ -107,6 +107,14 @@ def test_an_opaque_marker_keeps_a_directory_this_layer_made_anew(root) -> None:
     assert names(root) == ["d", "d/new", "d/sub"] and (root / "d/sub").read_bytes() == b"a file now"
 
 
+def test_an_opaque_marker_after_the_layers_own_entries_clears_merged_directories_deeply(root) -> None:
+    apply(root, entry("o", tarfile.DIRTYPE), entry("o/deep", tarfile.DIRTYPE), entry("o/deep/old", data=b"o"),
+          entry("o/old", data=b"o"))
+    assert (root / "o/deep/old").exists() and (root / "o/old").exists()
+    apply(root, entry("o/deep", tarfile.DIRTYPE), entry("o/deep/new", data=b"n"), entry("o/.wh..wh..opq"))
+    assert names(root) == ["o", "o/deep", "o/deep/new"]
+
+
 @pytest.mark.parametrize("bad", ["etc/.wh.", "etc/.wh..", "etc/.wh..."])
 def test_a_whiteout_that_names_nothing_is_refused(root, bad) -> None:
     apply(root, entry("etc", tarfile.DIRTYPE), entry("etc/f", data=b"f"))
@@ -148,6 +156,10 @@ def test_kinds_modes_times_links_and_left_out_devices(root) -> None:
     # A directory keeps its set-group-ID bit and its own time, set after its children.
     d = os.lstat(root / "bin")
     assert stat.S_IMODE(d.st_mode) == 0o2755 and d.st_mtime == MTIME - 50
+    apply(root, entry("bin/sub", tarfile.DIRTYPE, mode=0o710, mtime=MTIME - 90),
+          entry("bin/sub/x", data=b"x"))
+    sub = os.lstat(root / "bin/sub")  # a nested directory too
+    assert stat.S_IMODE(sub.st_mode) == 0o710 and sub.st_mtime == MTIME - 90
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="ownership is kept only when running as root")
@@ -268,13 +280,16 @@ def test_unpack_layers_names_a_corrupt_or_broken_layer(tmp_path) -> None:
 
 def test_unpack_layers_is_bounded_and_says_which_limit(tmp_path) -> None:
     blob = tar_bytes(*[entry(f"f{i}", data=b"x") for i in range(5)])
-    for d in "abc":
+    for d in "abcd":
         (tmp_path / d).mkdir()
     with pytest.raises(ImageError, match="layer 1/1"):
         up.unpack_layers(image([blob]), str(tmp_path / "a"), limits=ImageLimits(1 << 20, 8, 4))
     with pytest.raises(ImageError, match="3 layers"):
         up.unpack_layers(image([blob] * 3), str(tmp_path / "b"), limits=ImageLimits(1 << 20, 2, 100))
-    up.unpack_layers(image([blob]), str(tmp_path / "c"), limits=ImageLimits(1 << 20, 1, 5))
+    with pytest.raises(ImageError, match="layer 1/1"):  # 5 bytes of files, 4 allowed
+        up.unpack_layers(image([blob]), str(tmp_path / "d"), limits=ImageLimits(4, 8, 100))
+    assert len(os.listdir(tmp_path / "d")) == 4  # charged before each file is written
+    up.unpack_layers(image([blob]), str(tmp_path / "c"), limits=ImageLimits(5, 1, 5))
     assert len(os.listdir(tmp_path / "c")) == 5
 
 
