@@ -66,6 +66,11 @@ def test_a_small_file_is_one_whole_page(ws) -> None:
     put(ws, "b.txt", b"one\ntwo\n")
     text, info = ft.read_file(ws, {"path": "b.txt", "offset": None, "limit": None})
     assert (text, info["total_lines"], info["lines"], info["truncated"]) == ("one\ntwo\n", 2, 2, False)
+    big = b"x" * 300 + b"\n" + b"y" * 300 + b"\nlast"  # offsets past the small-int cache
+    put(ws, "big.txt", big)
+    text, info = ft.read_file(ws, {"path": "big.txt"})
+    assert text.encode() == big and info["truncated"] is False and info["next_offset"] is None
+    assert (info["lines"], info["total_lines"], info["end_byte"]) == (3, 3, len(big))
     put(ws, "odd.txt", b"a\nb")  # one newline, then an unterminated line
     assert ft.read_file(ws, {"path": "odd.txt"})[1]["total_lines"] == 2
     put(ws, "empty", b"")
@@ -186,6 +191,8 @@ def test_base64_reads_page_by_bytes_within_the_cap(ws) -> None:
     assert base64.b64decode(text) == blob[700:] and not info["truncated"] and info["next_offset"] is None
     text, info = ft.read_file(ws, {"path": "b.bin", "encoding": "base64", "offset": 10, "limit": 5})
     assert base64.b64decode(text) == blob[10:15] and info["truncated"] is False  # the limit was met
+    text, info = ft.read_file(ws, {"path": "b.bin", "encoding": "base64", "limit": 300})
+    assert len(base64.b64decode(text)) == 300 and info["truncated"] is False and info["next_offset"] is None
     text, info = ft.read_file(ws, {"path": "b.bin", "encoding": "base64", "limit": 900}, 400)
     assert info["bytes"] == 300 and info["truncated"] and info["next_offset"] == 300
     text, info = ft.read_file(ws, {"path": "b.bin", "encoding": "base64"}, 1)  # at least 3 bytes
