@@ -313,6 +313,85 @@ def test_a_gate_with_no_room_at_all_still_wakes_up_to_try(clock) -> None:
     assert timer.when() == pytest.approx(clock.now + FIRST_CHECK_S)
 
 
+def fire_due(g: Admission, now: float) -> None:
+    for t in g.loop.pending():
+        if t.when() <= now and not t.cancelled:
+            t.cancelled = True
+            t.fn()
+
+
+def test_one_wake_up_samples_every_due_command_past_holds_and_drops(clock) -> None:
+    g = gate(clock, limit=10)
+    g.hold("shell")  # first in the table: never due
+    assert g.try_admit("old", computes())
+    clock.now += HEAD_START_S  # "old" has had its whole head start in wall time
+    g._count("idle1", lambda: (False, 0.0), clock.now)
+    g._count("idle2", lambda: (False, 0.0), clock.now)
+    g._count("busy", computes(), clock.now)
+    clock.now += FIRST_CHECK_S
+    g._tick()
+    assert sorted(g.counted) == ["busy", "shell"]
+
+
+def test_a_long_queue_of_calls_that_end_at_once_is_admitted_without_recursion(clock, capsys) -> None:
+    g = gate(clock, limit=YOUNG_WEIGHT)
+    assert g.try_admit("first", computes())
+    started: list[int] = []
+
+    def done(i: int) -> None:  # the call ends inside its own admission
+        started.append(i)
+        g.release(i)
+
+    for i in range(3000):
+        g.enqueue(i, computes(), lambda i=i: done(i))
+    g.release("first")
+    assert started == list(range(3000)) and not g.waiting and not g.counted
+    assert capsys.readouterr().err == ""  # no callback failed (a RecursionError would)
+
+
+def test_weights_add_up_after_holds_and_early_releases(clock) -> None:
+    g = gate(clock, limit=1)
+    g.hold("shell")
+    g.release("shell")
+    assert g.try_admit("young", computes())
+    g.release("young")  # released while young
+    clock.now += FIRST_CHECK_S  # its place in the ageing queue comes up
+    assert g.load() == 0 and g.n_young == 0
+    assert sum(g.try_admit(f"s{i}", computes()) for i in range(9)) == 8
+
+
+def test_a_scheduled_sample_still_runs_after_the_queue_empties(clock) -> None:
+    g = gate(clock, limit=2)
+    busy = [True]
+    assert g.try_admit("hog", lambda: (busy[0], 0.0)) and g.try_admit("x", computes())
+    clock.now += FIRST_CHECK_S
+    g.enqueue("w", computes(), lambda: None)
+    for _ in range(5):  # the loop runs each timer once
+        clock.now = g.timer.when()
+        fire_due(g, clock.now)
+    assert g.timer.when() - clock.now >= 0.1
+    g.release("x")  # "w" is admitted: nobody waits now
+    assert not g.waiting and "w" in g.counted
+    busy[0] = False  # the hog now waits on something
+    clock.now += MAX_CHECK_S
+    fire_due(g, clock.now)
+    assert "hog" not in g.counted, sorted(g.counted)
+
+
+def test_default_limit_without_sched_getaffinity_uses_the_cpu_count(monkeypatch) -> None:
+    monkeypatch.setattr(adm.os, "cpu_count", lambda: 3)
+
+    def refuse(pid):
+        raise OSError("not here")
+
+    monkeypatch.setattr(adm.os, "sched_getaffinity", refuse)
+    assert adm.default_limit() == 12
+    monkeypatch.delattr(adm.os, "sched_getaffinity")  # not on this platform
+    assert adm.default_limit() == 12
+    monkeypatch.setattr(adm.os, "cpu_count", lambda: None)
+    assert adm.default_limit() == 4
+
+
 def test_default_limit_follows_the_cpus(monkeypatch) -> None:
     monkeypatch.setattr(adm.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert adm.default_limit() == 12
