@@ -241,8 +241,11 @@ class _Sampler:
 
 
 def _compute_apps() -> tuple[list[tuple[int, int]] | None, str]:
-    """``([(pid, used MiB)], how)`` of every compute process on the host's GPUs."""
+    """``([(pid, used MiB)], how)`` of every compute process on the host's GPUs: those of
+    :func:`discovery_root` (NVML reads the real driver, so not for a stand-in tree)."""
     try:
+        if discovery_root() != "/":
+            raise LookupError("a stand-in GPU root: its nvidia-smi, not this host's NVML")
         import pynvml  # the nvidia-ml-py package (optional extra "gpu")
 
         pynvml.nvmlInit()

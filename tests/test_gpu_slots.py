@@ -1,12 +1,17 @@
 """GPU slots on the local driver, without a GPU: stand-in device nodes and driver files.
 
 The stand-in tree (``HERMES_MODAL_TOOL_GPU_ROOT``, a test-only setting) holds character
-devices made with ``mknod`` under the NVIDIA driver's major numbers (195 for the GPUs
-and ``nvidiactl``; a dynamic one for ``nvidia-uvm``), the driver's ``information`` files
-naming the GPU model, a driver library directory and a fake ``nvidia-smi``. No driver
-is loaded here, so opening a node fails with ENXIO ("No such device or address"): that
-is the kernel reaching the missing driver, which only happens through a ``--dev-bind``
-(a plain ``--bind`` mounts it ``nodev``: EACCES). Slots are real bubblewrap sandboxes.
+devices made with ``mknod`` (``nvidia0``..., ``nvidiactl``, ``nvidia-uvm``...), the driver's
+``information`` files naming the GPU model, a driver library directory and a fake
+``nvidia-smi``. The nodes' major numbers are ones no driver has registered on this host
+(``/proc/devices``), taken from the ranges the kernel's devices.txt keeps for local use
+(60-63, 120-127; never handed out dynamically), not the NVIDIA driver's own (195 and a
+dynamic one): on a GPU host those would reach the real driver (which answers EINVAL to a
+stand-in's open) and could hand a slot the real GPU. So on every host, opening a stand-in
+node fails with ENXIO ("No such device or address"): the kernel finding no driver for
+it, which only happens through a ``--dev-bind`` (a plain ``--bind`` mounts it ``nodev``:
+EACCES). Slots are real bubblewrap sandboxes. The host's status sampler reads the
+stand-in's ``nvidia-smi`` (``hermes_modal_tool.gpus``: NVML only without a stand-in root).
 """
 
 from __future__ import annotations
@@ -33,15 +38,35 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mknod of stand-in dev
 MODEL = "NVIDIA H100 80GB HBM3"
 UUIDS = ("GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000")
 VERSION = "580.65.06"
-UVM_MAJOR = 235  # nvidia-uvm's major is dynamic; any character major stands in
+#: Character majors devices.txt reserves for local/experimental use (never allocated
+#: dynamically, unlike 234-254 and 384-511 where nvidia-uvm's major lands).
+LOCAL_MAJORS = (60, 61, 62, 63, 120, 121, 122, 123, 124, 125, 126, 127)
+
+
+def registered_char_majors() -> set[int]:
+    """The character majors a driver has registered on this host (``/proc/devices``)."""
+    text = Path("/proc/devices").read_text()
+    chars = text.split("Character devices:", 1)[1].split("Block devices:", 1)[0]
+    return {int(line.split()[0]) for line in chars.splitlines() if line.strip()}
+
+
+def free_majors() -> tuple[int, int]:
+    """Two character majors no driver here has (for the GPU and nvidia-uvm stand-ins)."""
+    taken = registered_char_majors()
+    assert 1 in taken and 5 in taken, taken  # positive control: the kernel's list was read
+    free = [m for m in LOCAL_MAJORS if m not in taken]
+    if len(free) < 2:
+        pytest.skip(f"no two free local-use character majors here (registered: {sorted(taken)})")
+    return free[0], free[1]
 SMI = """#!/bin/sh
 # A stand-in nvidia-smi: -L lists the GPUs; --query-compute-apps lists host processes
 # whose command line starts with gpu-job-marker, each "using" 123 MiB.
 case "$1" in
   -L) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: UUID0)";;
   --query-compute-apps=*)
-    for p in /proc/[0-9]*; do
-      case "$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)" in gpu-job-marker*) echo "${p#/proc/}, 123";; esac
+    # One grep over every process (a fork per process takes seconds on a loaded host).
+    for f in $(grep -l '^gpu-job-marker' /proc/[0-9]*/cmdline 2>/dev/null); do
+      p=${f#/proc/}; echo "${p%/cmdline}, 123"
     done;;
 esac
 """.replace("UUID0", UUIDS[0])
@@ -54,19 +79,20 @@ echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)" >> "$(dirname "$0")/..
 def standin(gpus: int = 2, model: str = MODEL, mps: bool = False) -> Path:
     """A stand-in driver tree: ``gpus`` GPU nodes, control nodes, /proc and driver files.
     World-readable: slots run as their own uids and bwrap opens the sources as them."""
+    gpu_major, uvm_major = free_majors()
     root = Path(tempfile.mkdtemp(prefix="hmt-gpu-"))
     os.chmod(root, 0o755)
     (root / "dev/nvidia-caps").mkdir(parents=True)
     (root / "proc/driver/nvidia/gpus").mkdir(parents=True)
     for i in range(gpus):
-        os.mknod(root / f"dev/nvidia{i}", 0o666 | stat.S_IFCHR, os.makedev(195, i))
+        os.mknod(root / f"dev/nvidia{i}", 0o666 | stat.S_IFCHR, os.makedev(gpu_major, i))
         info = root / f"proc/driver/nvidia/gpus/0000:0{i + 1}:00.0/information"
         info.parent.mkdir()
         info.write_text(f"Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t {UUIDS[i]}\n"
                         f"Device Minor: \t {i}\nBus Location: \t 0000:0{i + 1}:00.0\n")
-    os.mknod(root / "dev/nvidiactl", 0o666 | stat.S_IFCHR, os.makedev(195, 255))
-    os.mknod(root / "dev/nvidia-uvm", 0o666 | stat.S_IFCHR, os.makedev(UVM_MAJOR, 0))
-    os.mknod(root / "dev/nvidia-uvm-tools", 0o666 | stat.S_IFCHR, os.makedev(UVM_MAJOR, 1))
+    os.mknod(root / "dev/nvidiactl", 0o666 | stat.S_IFCHR, os.makedev(gpu_major, 255))
+    os.mknod(root / "dev/nvidia-uvm", 0o666 | stat.S_IFCHR, os.makedev(uvm_major, 0))
+    os.mknod(root / "dev/nvidia-uvm-tools", 0o666 | stat.S_IFCHR, os.makedev(uvm_major, 1))
     (root / "proc/driver/nvidia/version").write_text(
         f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {VERSION}  Sun Jul 20 2025\n")
     (root / "sys/module/nvidia").mkdir(parents=True)
@@ -123,8 +149,11 @@ SEE = ("for n in /dev/nvidia*; do test -c $n && echo char:$n; done; "
 
 async def test_slot_sees_assigned_gpu_nodes_driver_files_and_env(make_backend, gpu_root):
     root = gpu_root(gpus=2)
-    # Positive control: the host's stand-ins are character devices.
-    assert stat.S_ISCHR(os.stat(root / "dev/nvidia1").st_mode)
+    # Positive control: the host's stand-ins are character devices, of a major no driver
+    # here has (so the ENXIO below is the kernel finding no driver, on a GPU host too).
+    node = os.stat(root / "dev/nvidia0")
+    assert stat.S_ISCHR(node.st_mode) and stat.S_ISCHR(os.stat(root / "dev/nvidia1").st_mode)
+    assert os.major(node.st_rdev) not in registered_char_majors() | {195}, os.major(node.st_rdev)
     gpu = SandboxConfig(name="gpu-prof", gpu="H100", slots_per_sandbox=2, min_sandboxes=1,
                         max_sandboxes=1, memory=1024)
     plain = SandboxConfig(name="plain-prof", slots_per_sandbox=1, min_sandboxes=1, max_sandboxes=1,
@@ -178,7 +207,9 @@ async def test_gpu_processes_per_slot_in_status_and_killed_on_release(make_backe
     async def status():
         return backend.get_status()
 
-    procs = slot_procs(await eventually(status, lambda s: slot_procs(s)))
+    # The sampler runs the stand-in nvidia-smi (bounded by 5 s) every 2 s, off the loop.
+    procs = slot_procs(await eventually(status, lambda s: slot_procs(s), timeout=30))
+    assert procs, (await status())["pools"]
     assert len(procs) == 1 and procs[0]["used_memory_mib"] == 123
     pid = procs[0]["pid"]
     assert marked(pid)  # the kernel's view: that host process is the slot's GPU job
@@ -188,6 +219,49 @@ async def test_gpu_processes_per_slot_in_status_and_killed_on_release(make_backe
         return not marked(pid)
 
     assert await eventually(check, bool)
+
+
+def test_status_sampler_reads_the_standin_not_this_hosts_nvml(gpu_root, monkeypatch):
+    """With a stand-in root the sampler lists the stand-in's processes, even where NVML
+    (``pynvml``) is importable and answers for the real GPUs (as on a GPU host)."""
+    import subprocess
+    import sys
+    import types
+
+    from hermes_modal_tool import gpus
+
+    class Proc:
+        pid, usedGpuMemory = 4242, 7 << 20
+
+    real = types.ModuleType("pynvml")  # NVML's Python API, answering as a real GPU host's
+    real.nvmlInit = real.nvmlShutdown = lambda: None
+    real.nvmlDeviceGetCount = lambda: 1
+    real.nvmlDeviceGetHandleByIndex = lambda i: i
+    real.nvmlDeviceGetComputeRunningProcesses = lambda handle: [Proc()]
+    monkeypatch.setitem(sys.modules, "pynvml", real)
+    # Positive control: without a stand-in root the sampler reads NVML.
+    monkeypatch.delenv("HERMES_MODAL_TOOL_GPU_ROOT", raising=False)
+    assert gpus._compute_apps() == ([(4242, 7)], "nvml")
+    gpu_root(gpus=1)
+    job = subprocess.Popen(["gpu-job-marker", "30"], executable=shutil.which("sleep"))
+    try:
+        assert eventually_sync(lambda: marked(job.pid))
+        procs, how = gpus._compute_apps()
+        assert how == "nvidia-smi" and (job.pid, 123) in procs and (4242, 7) not in procs, procs
+    finally:
+        job.kill()
+        job.wait()
+
+
+def eventually_sync(check, timeout: float = 10.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 async def test_mps_daemon_started_and_stopped_with_the_sandbox(make_backend, gpu_root):
@@ -326,6 +400,10 @@ def test_gpu_benchmark_says_so_without_a_gpu_and_checks_slots_with_one(gpu_root)
     # Stand-in GPUs: the slot's checks run (nvidia-smi -L, the nodes, the variable); the
     # CUDA job fails, named, on a libcuda that is no library (there is no GPU here).
     code, out = run_benchmark("--slots", "1", root=gpu_root(gpus=1))
-    assert code == 1 and f"[host root] nvidia-smi -L (exit 0):\n  GPU 0: {MODEL}" in out, out
+    # The listing is the stand-in's (its UUID). On a GPU host the slot's PATH finds the
+    # host's own nvidia-smi first (the slot's root is the host's): it finds no driver behind
+    # the stand-in nodes and fails, printing why, before the stand-in's runs.
+    assert code == 1 and "[host root] nvidia-smi -L (exit 0):\n" in out, out
+    assert f"GPU 0: {MODEL} (UUID: {UUIDS[0]})" in out, out
     assert f"CUDA_VISIBLE_DEVICES={UUIDS[0]}" in out and "/dev/nvidia0" in out, out
     assert "[host root] CUDA job: FAILED" in out and "driver: " in out and "libcuda.so.1" in out, out
