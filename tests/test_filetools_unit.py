@@ -303,6 +303,10 @@ def test_read_artifact_caps_offsets_and_hashes(ws) -> None:
     content, info = ft.read_artifact(ws, {"path": "r.bin", "encoding": "base64", "max_bytes": 4})
     assert base64.b64decode(content) == b"0123" and info["encoding"] == "base64" and info["truncated"]
     assert info["content"] == content and info["path"] == "/data/slot_1/r.bin"
+    # An offset past the end, even past what the file system can seek to, is an empty page.
+    for offset in (100, 10**6, 2**62):
+        content, info = ft.read_artifact(ws, {"path": "r.bin", "offset": offset})
+        assert content == "" and info["size"] == 100 and not info["truncated"], (offset, info)
 
 
 def test_archive_artifacts_holds_the_files(ws) -> None:

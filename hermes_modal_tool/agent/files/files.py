@@ -208,6 +208,8 @@ class Workspace:
     def read_bytes(self, path, offset=0, limit=None):
         fh, st, shown = self.open_read(path)
         with fh:
+            if offset >= st.st_size and stat.S_ISREG(st.st_mode):
+                return b"", st, shown  # past the end (even past what lseek takes): empty
             if offset:
                 fh.seek(offset)
             want = MAX_READ_BYTES if limit is None else min(limit, MAX_READ_BYTES)
