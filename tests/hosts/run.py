@@ -83,13 +83,14 @@ if [ -z "{quick}" ]; then
   echo "HOSTS-MAIN-TRAJECTORIES $(wc -l < /tmp/results.jsonl)"
   tail -n 4 /tmp/main.log
   cp /tmp/results.jsonl /hmt-out/results.jsonl 2>/dev/null
+  cp /tmp/main.log /hmt-out/main.log 2>/dev/null
+  echo "HOSTS-MAIN-SPACE $(df -m --output=avail /tmp | tail -n 1) MiB free in /tmp, $(free -m | awk '/Mem:/ {{print $7}}') MiB available"
   {py} -c 'import json, sys
 bad = [json.loads(line) for line in open("/tmp/results.jsonl") if not json.loads(line).get("ok")]
 for r in bad[:8]:
-    steps = [(i, s) for i, s in enumerate(r.get("steps") or []) if not s.get("expectation_met")]
     print("HOSTS-MAIN-BAD", r.get("id"), r.get("error"), [
-        (i, s["tool"], s["returncode"], s["timed_out"], s["duration_s"], str(s["output"])[-200:])
-        for i, s in steps[:2]])'
+        (i, s.get("expectation_met"), s["tool"], s["returncode"], s["timed_out"], s["duration_s"],
+         s["error"], str(s["output"])[-160:]) for i, s in enumerate(r.get("steps") or [])])'
 
   start=$(date +%s)
   {run} {py} -m pytest -q -p no:cacheprovider -o timeout={test_s} {tests} > /tmp/tests.log 2>&1
@@ -139,9 +140,10 @@ def cell_script(cell: str, quick: bool) -> str:
                        call_s=30 * scale)
 
 
-def run_cell(cell: str, quick: bool, timeout_s: float) -> dict:
+def run_cell(cell: str, quick: bool, timeout_s: float, keep: str | None = None) -> dict:
     """Run one cell; return its row (the probe's fields, the main job's and the tests'
-    exit codes and tails, the seconds it took)."""
+    exit codes and tails, the seconds it took). ``keep``: a directory where a VM cell's
+    files (its main job's ``results.jsonl`` and log) are copied, under the cell's name."""
     script = cell_script(cell, quick)
     start = time.monotonic()
     if cell == "host":
@@ -149,7 +151,8 @@ def run_cell(cell: str, quick: bool, timeout_s: float) -> dict:
                               timeout=timeout_s, cwd=REPO)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     else:
-        rc, out, _ = vm.run(script, timeout_s=timeout_s, systemd=cell.endswith("-systemd"))
+        rc, out, _ = vm.run(script, timeout_s=timeout_s, systemd=cell.endswith("-systemd"),
+                            keep=Path(keep, cell) if keep else None)
     row = {"cell": cell, "seconds": round(time.monotonic() - start), "vm_rc": rc, "log": out}
     for key, pattern in (("kernel", r"HOSTS-KERNEL (\S+) (\S+)"), ("probe_rc", r"HOSTS-PROBE-RC (\d+)"),
                          ("main", r"HOSTS-MAIN-RC (\d+) (\d+s)"), ("tests", r"HOSTS-TESTS-RC (\d+) (\d+s)")):
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:
         print(f"host matrix: running {cell} ...", file=sys.stderr, flush=True)
         quick = args.quick == "all" or cell in args.quick.split(",")
-        row = run_cell(cell, quick, args.timeout)
+        row = run_cell(cell, quick, args.timeout, keep=args.logs)
         rows.append(row)
         if args.logs:
             os.makedirs(args.logs, exist_ok=True)

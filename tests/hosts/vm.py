@@ -197,11 +197,13 @@ def _cpio(fh, name: str, data: bytes, mode: int, ino: int) -> None:
 
 
 def run(script: str, name: str = "debian12", memory_mb: int = 4096, cpus: int = 2,
-        timeout_s: float = 900, systemd: bool = False) -> tuple[int, str, float]:
+        timeout_s: float = 900, systemd: bool = False,
+        keep: Path | None = None) -> tuple[int, str, float]:
     """Boot the VM, run ``script`` (bash, as root: in PID 1's place, or with ``systemd``
     as a service once systemd has brought up the basic system) and return
     ``(exit code, its output, seconds from boot to power-off)``; exit code -1 when it
-    did not finish in ``timeout_s`` (then the output ends with the console's tail)."""
+    did not finish in ``timeout_s`` (then the output ends with the console's tail).
+    ``keep``: a directory to copy what the script wrote to ``/hmt-out`` into."""
     vmlinuz, initrd = kernel(name)
     out = Path(tempfile.mkdtemp(prefix="hmt-hosts-"))
     try:
@@ -228,6 +230,8 @@ def run(script: str, name: str = "debian12", memory_mb: int = 4096, cpus: int = 
         except subprocess.TimeoutExpired as exc:
             console = (exc.stdout or b"").decode("utf-8", "replace")
         took = time.monotonic() - start
+        if keep is not None:
+            shutil.copytree(out, keep, dirs_exist_ok=True)
         rc_file = out / "rc"
         log = (out / "log").read_text(errors="replace") if (out / "log").exists() else ""
         if not rc_file.exists():
