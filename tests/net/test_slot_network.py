@@ -23,6 +23,7 @@ from support import SMALL, bash, settle
 
 from hermes_modal_tool import SandboxConfig
 from hermes_modal_tool.testing import fakenet as fn
+from hermes_modal_tool.testing._fakenet_files import DEMO_MESSAGE, DEMO_PROJECT
 
 EGRESS = {"allow": ["*.example.test"], "dns": fn.DNS, "upstream": "none"}
 
@@ -134,6 +135,27 @@ async def test_slot_root_cannot_change_the_policy(egress: Any) -> None:
     after = in_router(router, *table)
     assert f"elements = {{ {fn.API} timeout" in after  # what the allowed name added, and no more:
     assert unlearned(after) == unlearned(before)
+
+
+async def test_pip_installs_from_an_allowed_index_through_the_egress_path(
+        egress: Any, fakenet: fn.FakeInternet) -> None:
+    """pip in the slot, by name through the agent's resolver and HTTPS with the fake
+    internet's CA, from the PEP 503 index on an allowed name; before the name resolved,
+    the index's address is refused (only what allowed names resolve to is reachable)."""
+    backend, _, slot = egress
+    [verdict] = await probe(backend, slot, f"connect:{fn.PYPI}:443")
+    assert refused_fast(verdict), verdict
+    await backend.execute_batch([(slot, "write_file", {"path": "ca.pem",
+                                                       "content": fakenet.ca.read_text()})])
+    r = await bash(backend, slot, (
+        "PIP_CONFIG_FILE=/dev/null /usr/bin/python3 -m pip install -q --cert ca.pem "
+        "--no-cache-dir --disable-pip-version-check --break-system-packages --retries 0 "
+        "--timeout 10 --target site --index-url https://pypi.example.test/simple/ "
+        f"{DEMO_PROJECT} 2>&1; echo rc=$?"), timeout=180)
+    assert r.output.strip().endswith("rc=0"), r.output
+    r = await bash(backend, slot, "PYTHONPATH=site /usr/bin/python3 -c "
+                                  "'import hmt_fakenet_demo as m; print(m.MESSAGE)'")
+    assert r.output.strip() == DEMO_MESSAGE, r.output
 
 
 def unlearned(ruleset: str) -> list[str]:
