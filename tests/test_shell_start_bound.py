@@ -43,7 +43,8 @@ def _slot(tmp_path, pool: ThreadPoolExecutor) -> SimpleNamespace:
         return str(ctl / name)
 
     return SimpleNamespace(agent=agent, index=3, layer_lock=asyncio.Lock(), root=None,
-                           ctl_path=str(ctl), write_ctl=write_ctl, replay=None, background_sids=[])
+                           ctl_path=str(ctl), write_ctl=write_ctl, replay=None, background_sids=[],
+                           in_netns=lambda fn: fn())  # as Slot.in_netns without egress
 
 
 def _bash(started: list) -> tuple:

@@ -52,6 +52,8 @@ BAD: dict[str, list[Any]] = {
     "filesystem": ["overlay2", "", "none", 5, None],
     "disk_limit": ["quota", "", "none", 5, None],
     "network": ["loopback", 2, [], None],
+    "egress": ["all", 5, ["a"], {"allow": ["10.0.0.0/33"]}, {"allow": "x.test"},
+               {"upstream": "internet"}, {"dns": "nine"}, None],
     "spread": ["sometimes", 2, [], None],
     "isolation": ["docker", "", True, None],
     "slot_memory": [0, -1, "1G", 1.5, []],
