@@ -34,7 +34,7 @@ SMALL: dict[str, Any] = {
     "execution_timeout_s": 10.0 * TIME_SCALE,
 }
 T = TypeVar("T")
-SHM_DIR = re.compile(rb"/dev/shm/hermes-modal-tool-[A-Za-z0-9_]+")
+SHM_DIR = re.compile(rb"/dev/shm/hermes-modal-tool-[A-Za-z0-9_-]+")  # whole name: -ray-PID-TAG too
 
 
 # -- looking at the machine ------------------------------------------------------------

@@ -16,15 +16,18 @@ from .conftest import run
 pytestmark = pytest.mark.timeout(60)
 
 
-def shm_mounts() -> list[str]:
-    """This host's sandbox ``/dev/shm`` tmpfs mount points (every server's)."""
+def shm_mounts(server: LocalModalServer) -> list[str]:
+    """The sandbox ``/dev/shm`` tmpfs mount points under ``server``'s state directory
+    (another server on the machine, such as a second test run's, has its own)."""
+    under = f"{server.state_dir}/"
     with open("/proc/self/mountinfo") as fh:
-        return [line.split()[4] for line in fh if f" - tmpfs {SOURCE} " in line]
+        return [p for p in (line.split()[4] for line in fh if f" - tmpfs {SOURCE} " in line)
+                if p.startswith(under)]
 
 
 async def test_each_sandbox_has_a_memory_backed_dev_shm_of_its_memory(
         server: LocalModalServer, app: Any) -> None:
-    before = shm_mounts()
+    before = shm_mounts(server)
     sized = await modal.Sandbox.create.aio(app=app, memory=96)
     plain = await modal.Sandbox.create.aio(app=app)
     for sb, mib in ((sized, 96), (plain, default_mib())):
@@ -37,13 +40,13 @@ async def test_each_sandbox_has_a_memory_backed_dev_shm_of_its_memory(
     code, out, _ = await run(sized, "sh", "-c", "head -c 200M /dev/zero > /dev/shm/big; echo rc=$?; "
                                                 "du -m /dev/shm/big | cut -f1")
     assert "rc=1" in out and int(out.split()[-1]) <= 96, out
-    mine = [p for p in shm_mounts() if p not in before]
+    mine = [p for p in shm_mounts(server) if p not in before]
     assert sorted(mine) == sorted(str(server.sandboxes[sb.object_id].state_dir / "fs" / "shm")
                                   for sb in (sized, plain))
     # Gone with the sandbox (terminate), and with the server (stop) for those still running.
     await sized.terminate.aio()
     await sized.wait.aio(raise_on_termination=False)
-    assert [p for p in shm_mounts() if p not in before] == [
+    assert [p for p in shm_mounts(server) if p not in before] == [
         str(server.sandboxes[plain.object_id].state_dir / "fs" / "shm")]
     await server.stop()
-    assert [p for p in shm_mounts() if p not in before] == []
+    assert [p for p in shm_mounts(server) if p not in before] == []
