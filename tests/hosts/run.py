@@ -188,7 +188,9 @@ def run_cell(cell: str, quick: bool, timeout_s: float, keep: str | None = None) 
     m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", out, re.M)
     row["tests_summary"] = m[-1] if m else None
     m = re.search(r"HOSTS-MAIN-TRAJECTORIES (\d+)", out)
-    row["main_summary"] = f"{m.group(1)} trajectories" if m else None
+    bad = re.search(r"(\d+) trajectories did not meet", out)
+    row["main_summary"] = (f"{int(m.group(1)) - int(bad.group(1) if bad else 0)}/{m.group(1)} ok"
+                           if m else None)
     row["ok"] = verdict(row)
     return row
 
