@@ -29,9 +29,10 @@ esac
 if [ "$level" = dev ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   missing=""
   # The network benchmark (benchmarks/network.py) compares slirp4netns and passt's pasta
-  # with a veth pair as a slot's egress path.
+  # with a veth pair as a slot's egress path; the host matrix's d13-root cell builds its
+  # Debian 13 root filesystem with debootstrap (tests/hosts/rootfs.py).
   for pair in skopeo:skopeo umoci:umoci busybox:busybox-static bash-static:bash-static \
-      mmdebstrap:mmdebstrap slirp4netns:slirp4netns pasta:passt; do
+      mmdebstrap:mmdebstrap slirp4netns:slirp4netns pasta:passt debootstrap:debootstrap; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing="$missing ${pair#*:}"
   done
   if [ -n "$missing" ]; then

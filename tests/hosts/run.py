@@ -14,7 +14,13 @@ this host's own ``/``: :mod:`tests.hosts.vm`):
   unprivileged users alike): the backend refuses to start, saying how to enable them;
 - ``v2-user-systemd``: the VM boots systemd; the same user runs the cell as a service
   of its own user manager, and the local driver starts each agent with
-  ``systemd-run --user --scope -p Delegate=yes`` (a delegated cgroup of its own).
+  ``systemd-run --user --scope -p Delegate=yes`` (a delegated cgroup of its own);
+- ``d13-root``: cgroup v2 as root (the same kernel) on a Debian 13 (trixie) root
+  filesystem instead of this host's (:mod:`tests.hosts.rootfs`): trixie's Python 3.13
+  runs the project from the wheel built from this checkout (installed into a virtual
+  environment there); slots' commands run trixie's programs. The checkout is shared
+  read-only; the cell copies ``tests/`` and ``examples/`` out of it, so that
+  ``hermes_modal_tool`` is imported from the wheel.
 
 In each: :mod:`tests.hosts.probe` (limit mode, caps, a slot past its ``slot_memory``
 next to a running neighbour, a slot's memory total, the CPU cap), the main job
@@ -39,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.hosts import vm
+from tests.hosts import rootfs, vm
 
 REPO = Path(__file__).resolve().parents[2]
 #: The isolation and resource-limit tests each full cell runs: the pids limit, a slot
@@ -60,6 +66,7 @@ USER = 1000
 
 CELL = r"""
 set -u
+{setup}
 cd {repo}
 # Under emulation (TCG) a sandbox start takes minutes and a command seconds: the main job's
 # per-call timeout (30 s, the profile default) is scaled like the tests' (a call's own
@@ -67,6 +74,7 @@ cd {repo}
 # calls timed out in the v2-root cell and all 64 trajectories failed.
 export HERMES_MODAL_TOOL_START_TIMEOUT_S={start_s} HMT_TEST_TIME_SCALE={scale}
 echo "HOSTS-KERNEL $(uname -r) $(stat -fc %T /sys/fs/cgroup)"
+echo "HOSTS-PYTHON $({py} -c 'import platform, hermes_modal_tool as m; print(platform.python_version(), m.__file__)')"
 {prepare}
 # Under emulation every stat over 9p is slow: read the metadata the first sandbox start
 # scans (drivers/_rootmask.py) once, so that no sandbox start passes its timeout.
@@ -112,13 +120,23 @@ systemctl --no-pager status user@{uid}.service | head -n 5
 """
 
 
+#: The d13-root cell: the checkout (9p tag ``repo``) mounted read-only, and what the cell
+#: runs from it copied to a directory without the package's source.
+D13_SETUP = r"""
+mkdir -p /hmt-repo /tmp/hmt-work
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000 repo /hmt-repo || echo "HOSTS-NO-REPO"
+cp -r /hmt-repo/tests /hmt-repo/examples /hmt-repo/pyproject.toml /tmp/hmt-work/
+echo "HOSTS-ROOT $(. /etc/os-release; echo $PRETTY_NAME), $(python3 --version)"
+"""
+
+
 #: The Python that runs each cell's probe, main job and tests: the project's ``.venv``
 #: where there is one (the README's set-up), else this interpreter (an installed wheel).
 PY = ".venv/bin/python" if (REPO / ".venv/bin/python").exists() else sys.executable
 
 
 def cell_script(cell: str, quick: bool) -> str:
-    run, prepare = "", ""
+    run, prepare, setup, repo, py = "", "", "", REPO, PY
     emulated = cell != "host" and "tcg" in vm.accel()[1]
     scale = 10 if emulated else 1
     start_s = 120 * scale
@@ -135,8 +153,10 @@ def cell_script(cell: str, quick: bool) -> str:
                f"--quiet --collect --same-dir -E HOME=/tmp/home-{USER} "
                f"-E HERMES_MODAL_TOOL_START_TIMEOUT_S={start_s} -E HMT_TEST_TIME_SCALE={scale} --")
         prepare = USER_PREPARE.format(uid=USER) + SYSTEMD_PREPARE.format(uid=USER)
-    return CELL.format(repo=REPO, prepare=prepare, run=run, quick="1" if quick else "",
-                       main=MAIN, tests=TESTS, py=PY, scale=scale, start_s=start_s, test_s=300 * scale,
+    elif cell == "d13-root":
+        setup, repo, py = D13_SETUP, "/tmp/hmt-work", f"{rootfs.VENV}/bin/python"
+    return CELL.format(repo=repo, prepare=prepare, run=run, quick="1" if quick else "",
+                       setup=setup, main=MAIN, tests=TESTS, py=py, scale=scale, start_s=start_s, test_s=300 * scale,
                        call_s=30 * scale)
 
 
@@ -151,11 +171,16 @@ def run_cell(cell: str, quick: bool, timeout_s: float, keep: str | None = None) 
                               timeout=timeout_s, cwd=REPO)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     else:
+        root, shares = Path("/"), None
+        if cell == "d13-root":
+            root, shares = rootfs.tree(), {"repo": REPO}
+            rootfs.install_wheel(root, REPO)
         rc, out, _ = vm.run(script, timeout_s=timeout_s, systemd=cell.endswith("-systemd"),
-                            keep=Path(keep, cell) if keep else None)
+                            keep=Path(keep, cell) if keep else None, root=root, shares=shares)
     row = {"cell": cell, "seconds": round(time.monotonic() - start), "vm_rc": rc, "log": out}
     for key, pattern in (("kernel", r"HOSTS-KERNEL (\S+) (\S+)"), ("probe_rc", r"HOSTS-PROBE-RC (\d+)"),
-                         ("main", r"HOSTS-MAIN-RC (\d+) (\d+s)"), ("tests", r"HOSTS-TESTS-RC (\d+) (\d+s)")):
+                         ("main", r"HOSTS-MAIN-RC (\d+) (\d+s)"), ("tests", r"HOSTS-TESTS-RC (\d+) (\d+s)"),
+                         ("python", r"HOSTS-PYTHON (\S+) (\S+)")):
         m = re.search(pattern, out)
         row[key] = m.groups() if m else None
     m = re.search(r"HOSTS-PROBE (\{.*\})", out)
@@ -163,13 +188,16 @@ def run_cell(cell: str, quick: bool, timeout_s: float, keep: str | None = None) 
     m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", out, re.M)
     row["tests_summary"] = m[-1] if m else None
     m = re.search(r"HOSTS-MAIN-TRAJECTORIES (\d+)", out)
-    row["main_summary"] = f"{m.group(1)} trajectories" if m else None
+    bad = re.search(r"(\d+) trajectories did not meet", out)
+    row["main_summary"] = (f"{int(m.group(1)) - int(bad.group(1) if bad else 0)}/{m.group(1)} ok"
+                           if m else None)
     row["ok"] = verdict(row)
     return row
 
 
 #: The limit mode each VM cell must report (``host``: whatever this machine has).
-EXPECTED_LIMITS = {"v2-root": "cgroup-v2", "v2-user-systemd": "cgroup-v2", "v2-user": "rlimit"}
+EXPECTED_LIMITS = {"v2-root": "cgroup-v2", "v2-user-systemd": "cgroup-v2", "v2-user": "rlimit",
+                   "d13-root": "cgroup-v2"}
 
 
 def verdict(row: dict) -> bool:
@@ -198,7 +226,7 @@ def verdict(row: dict) -> bool:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("cell", "kernel", "cgroupfs", "limits", "caps.memory.enforced", "OOM: bomb / neighbour",
+    head = ("cell", "kernel", "cgroupfs", "python", "limits", "caps.memory.enforced", "OOM: bomb / neighbour",
             "slot total", "cpu s/2s", "main job", "tests", "time", "result")
     lines = [head]
     for r in rows:
@@ -208,6 +236,7 @@ def table(rows: list[dict]) -> str:
             p = {"limits": "-", "memory_enforced": "start refused: " + p["start_error"][:80]}
         lines.append((
             r["cell"], (r["kernel"] or ("?", "?"))[0], (r["kernel"] or ("?", "?"))[1],
+            (r.get("python") or ("?",))[0],
             p.get("limits", "?"), (p.get("memory_enforced") or "?")[:60],
             ("killed+reported" if oom.get("reported") else "not reported") + " / "
             + ("running" if oom.get("neighbour_alive") else "NOT running"),
@@ -223,7 +252,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default="host,v2-root,v2-user,v2-user-nouserns,v2-user-systemd")
+    ap.add_argument("--cells", default="host,v2-root,v2-user,v2-user-nouserns,v2-user-systemd,d13-root")
     ap.add_argument("--quick", nargs="?", const="all", default="",
                     help="the probe only: in every cell, or in those listed (a,b)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per cell")
@@ -234,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     if why and any(c != "host" for c in cells):
         print(f"host matrix: VM cells skipped: {why}", file=sys.stderr)
         cells = [c for c in cells if c == "host"]
+    why = rootfs.missing()
+    if why and "d13-root" in cells:
+        print(f"host matrix: d13-root skipped: {why}", file=sys.stderr)
+        cells.remove("d13-root")
     rows = []
     for cell in cells:
         print(f"host matrix: running {cell} ...", file=sys.stderr, flush=True)

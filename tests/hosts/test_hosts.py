@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.hosts import probe, run, vm
+from tests.hosts import probe, rootfs, run, vm
 
 pytestmark = pytest.mark.hosts
 
@@ -29,9 +29,10 @@ async def test_this_hosts_limits_hold_as_its_mode_promises():
 @pytest.mark.skipif(not os.environ.get("HERMES_MODAL_TOOL_HOSTS"),
                     reason="VM cells run with HERMES_MODAL_TOOL_HOSTS=1 (minutes each: "
                            "python -m tests.hosts.run prints the table)")
-@pytest.mark.parametrize("cell", ["v2-root", "v2-user", "v2-user-nouserns", "v2-user-systemd"])
+@pytest.mark.parametrize("cell", ["v2-root", "v2-user", "v2-user-nouserns", "v2-user-systemd",
+                                  "d13-root"])
 async def test_vm_cell(cell):
-    why = vm.missing()
+    why = vm.missing() or (rootfs.missing() if cell == "d13-root" else None)
     if why:
         pytest.skip(why)
     row = await asyncio.to_thread(run.run_cell, cell, os.environ.get("HERMES_MODAL_TOOL_HOSTS") == "quick",

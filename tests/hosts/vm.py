@@ -1,5 +1,7 @@
 """Boot a stock Debian kernel in a KVM virtual machine whose root is this host's own
-``/`` (read-only over 9p, with a tmpfs overlay on top), and run one shell script there.
+``/`` (read-only over 9p, with a tmpfs overlay on top), or another root filesystem
+(``run(root=...)``: the Debian 13 tree of :mod:`tests.hosts.rootfs`), and run one shell
+script there.
 
 Used by the host matrix (:mod:`tests.hosts.run`): the same checkout, virtual
 environment and tools as here, on another kernel and another cgroup layout (cgroup v2
@@ -198,12 +200,17 @@ def _cpio(fh, name: str, data: bytes, mode: int, ino: int) -> None:
 
 def run(script: str, name: str = "debian12", memory_mb: int = 4096, cpus: int = 2,
         timeout_s: float = 900, systemd: bool = False,
-        keep: Path | None = None) -> tuple[int, str, float]:
+        keep: Path | None = None, root: Path = Path("/"),
+        shares: dict[str, Path] | None = None) -> tuple[int, str, float]:
     """Boot the VM, run ``script`` (bash, as root: in PID 1's place, or with ``systemd``
     as a service once systemd has brought up the basic system) and return
     ``(exit code, its output, seconds from boot to power-off)``; exit code -1 when it
     did not finish in ``timeout_s`` (then the output ends with the console's tail).
-    ``keep``: a directory to copy what the script wrote to ``/hmt-out`` into."""
+    ``keep``: a directory to copy what the script wrote to ``/hmt-out`` into.
+    ``root``: the directory the VM boots on (read-only, under its tmpfs overlay): this
+    host's ``/``, or another root filesystem (:mod:`tests.hosts.rootfs`). ``shares``:
+    more directories shared read-only, by 9p mount tag (the script mounts them:
+    ``mount -t 9p -o trans=virtio,version=9p2000.L,ro TAG DIR``)."""
     vmlinuz, initrd = kernel(name)
     out = Path(tempfile.mkdtemp(prefix="hmt-hosts-"))
     try:
@@ -219,9 +226,12 @@ def run(script: str, name: str = "debian12", memory_mb: int = 4096, cpus: int = 
                 "-smp", str(cpus), "-nographic", "-no-reboot", "-nodefaults", "-serial", "stdio",
                 "-kernel", str(vmlinuz), "-initrd", str(initrd),
                 "-append", append,
-                "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
-                           "multidevs=remap",
+                "-virtfs", f"local,path={root},mount_tag=hostroot,security_model=none,"
+                           "readonly=on,multidevs=remap",
                 "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
+        for tag, path in (shares or {}).items():
+            argv += ["-virtfs", f"local,path={path},mount_tag={tag},security_model=none,"
+                                "readonly=on,multidevs=remap"]
         start = time.monotonic()
         try:
             proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
