@@ -126,12 +126,18 @@ async def _send(sb: Sandbox, sid: str, chunks: AsyncIterator[bytes], what: str) 
         ok = True
         return end
     finally:
-        for fut in inflight:
-            fut.cancel()
-        if inflight:
-            await asyncio.gather(*inflight, return_exceptions=True)
+        await _cancel(inflight)
         if not ok:
             await _close(sb, "upload", sid)
+
+
+async def _cancel(inflight: deque[asyncio.Future]) -> None:
+    """Cancel the chunk requests still in flight and wait for them to end (a stream that
+    stops early, by error or cancellation, leaves no request behind)."""
+    for fut in inflight:
+        fut.cancel()
+    if inflight:
+        await asyncio.gather(*inflight, return_exceptions=True)
 
 
 async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: str) -> dict[str, Any]:
@@ -150,10 +156,7 @@ async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: st
             if got.get("eof"):
                 return got
     finally:
-        for fut in inflight:
-            fut.cancel()
-        if inflight:
-            await asyncio.gather(*inflight, return_exceptions=True)
+        await _cancel(inflight)
         await _close(sb, "download", sid)
 
 
