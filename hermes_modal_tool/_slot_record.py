@@ -26,4 +26,5 @@ class SlotRecord:
     inflight: int = 0
     ready: bool = True
     offered: float = 0.0  # when it was last offered (time.monotonic())
+    promised: bool = False  # handed to a waiting acquire that has not leased it yet
     extra: dict[str, Any] = field(default_factory=dict)

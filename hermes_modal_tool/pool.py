@@ -249,8 +249,8 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
             now = time.monotonic()
             for sid, sb in list(self._sandboxes.items()):
                 recs = self._records.get(sid, [])
-                if not all(r.holder is None and (r.ready or "gave_up" in r.extra.get("quarantine", ()))
-                           for r in recs):
+                if not all(r.holder is None and not r.promised
+                           and (r.ready or "gave_up" in r.extra.get("quarantine", ())) for r in recs):
                     continue
                 if now - sb.started_at > self.config.max_lifetime:
                     self._retire(sb)  # replaced below if that leaves fewer than the minimum
@@ -276,9 +276,13 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
         if rec.sandbox.dead or rec.sandbox.sandbox_id not in self._sandboxes:
             return
         rec.offered = time.monotonic() if when is None else when
+        rec.promised = False
         while self._waiters:
             w = self._waiters.popleft()
             if not w.done():
+                # Its acquire leases it when it next runs; until then the reaper must not
+                # retire the sandbox under it (a loaded loop can run the reaper first).
+                rec.promised = True
                 w.set_result(rec)
                 return
         self._free.append(rec)
@@ -297,13 +301,15 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
         if not self._started:
             await self.start()
         rec = self._take_free()
-        if rec is None:
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.acquire_timeout_s
+        # A promised slot whose sandbox died before this acquire ran is not leased: wait again.
+        while rec is None or rec.sandbox.dead or rec.sandbox.sandbox_id not in self._sandboxes:
             fut = loop.create_future()
             self._waiters.append(fut)
             self._grow()
             try:
-                rec = await asyncio.wait_for(fut, self.config.acquire_timeout_s)
+                rec = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 raise PoolTimeoutError(self._timeout_message()) from None
             except asyncio.CancelledError:
@@ -339,7 +345,7 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
                     profile=self.name, index=rec.index, acquired_at=time.time(),
                     lease_id=str(uuid.UUID(new_id())), _lease=rec.lease, _sandbox=rec,
                     _held_since=time.monotonic())
-        rec.holder = slot
+        rec.holder, rec.promised = slot, False
         sid = rec.sandbox.sandbox_id
         self._held[sid] = self._held.get(sid, 0) + 1
         rec.sandbox.last_used = time.monotonic()

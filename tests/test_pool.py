@@ -251,6 +251,30 @@ async def test_idle_sandboxes_scale_down_to_min(make_backend):
     assert (await bash(backend, slot, "echo ok")).output == "ok\n"
 
 
+async def test_a_slot_promised_to_a_waiting_acquire_keeps_its_sandbox(make_backend):
+    # A new sandbox hands its slot to the waiting acquire, which leases it when it next
+    # runs; on a loaded loop the idle reaper can run first. The reaper must not retire
+    # the sandbox in that window (it did: 2 sandboxes with 3 slots held, under load).
+    # The acquire's wake-up is held back here as long as the reaper needs to act.
+    backend = await make_backend(min_sandboxes=1, max_sandboxes=2, slots_per_sandbox=1,
+                                 idle_timeout=0.05)
+    pool = backend._pools[backend.default_profile]
+    held = await backend.acquire("held")
+    waiter = asyncio.get_running_loop().create_future()
+    pool._waiters.append(waiter)
+    pool._grow()
+    assert await settle(waiter.done, timeout=30)
+    rec = waiter.result()
+    await asyncio.sleep(0.5)  # ten idle limits: the reaper has run many times
+    assert rec.sandbox.sandbox_id in pool._sandboxes and backend.get_status()["sandboxes"] == 2
+    slot = pool._lease(rec, "late")
+    assert (await bash(backend, slot, "echo served")).output == "served\n"
+    # Released, the same sandbox is idle like any other and scales down to the minimum.
+    await backend.release(slot)
+    assert await settle(lambda: backend.get_status()["sandboxes"] == 1, timeout=5)
+    assert (await bash(backend, held, "echo still")).output == "still\n"
+
+
 async def test_held_sandboxes_are_not_scaled_down(make_backend):
     backend = await make_backend(min_sandboxes=0, max_sandboxes=2, slots_per_sandbox=1,
                                  idle_timeout=0.3)
