@@ -10,7 +10,7 @@ import time
 import uuid
 
 import pytest
-from support import agent_processes, bash, settle
+from support import agent_processes, bash, processes, settle
 
 from hermes_modal_tool import (
     BackendClosedError,
@@ -409,9 +409,12 @@ async def test_cancelling_a_batch_kills_its_commands(make_backend):
     backend = await make_backend(min_sandboxes=1, max_sandboxes=1, slots_per_sandbox=2)
     slot = await backend.acquire("t")
     other = await backend.acquire("watcher")
+    pause = f"30.{uuid.uuid4().int % 10**6:06d}"  # a sleep this test can tell apart on the host
     task = asyncio.ensure_future(backend.execute_batch(
-        [(slot, "bash", {"command": "echo start > started; sleep 30", "timeout": 60})]))
-    await asyncio.sleep(0.5)
+        [(slot, "bash", {"command": f"echo start > started; sleep {pause}", "timeout": 60})]))
+    # Cancel once the command runs (its sleep is visible from the host), not after a guess.
+    sleeping = f"sleep\0{pause}\0".encode()
+    assert await settle(lambda: any(p.cmdline == sleeping for p in processes().values()), timeout=30)
     task.cancel()
     start = time.monotonic()
     with pytest.raises(asyncio.CancelledError):
