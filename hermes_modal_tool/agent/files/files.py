@@ -216,46 +216,67 @@ class Workspace:
             data = fh.read(want)
         return data, st, shown
 
-    def write_bytes(self, path, data, append=False):
-        dir_fd, name, shown = self.walk(path, create_parents=True)
+    def open_for_write(self, path, append=False, truncate=True, must_exist=False, readable=False):
+        """``(fd, shown)``: the slot's regular file ``path`` open for writing (blocking I/O),
+        created with its parents unless ``must_exist``. Never through a link (O_NOFOLLOW);
+        a FIFO the slot made never blocks the agent (O_NONBLOCK while opening; refused);
+        an existing file of another owner is refused; emptied when ``truncate`` (only
+        after those checks); owned by the slot's user. ``readable``: O_RDWR (a resumed
+        upload reads what is there). Used by ``write_file`` and the upload stream.
+
+        Raises:
+            FileToolError: a directory, not a regular file, another owner's, missing
+                (with ``must_exist``), or the open failed (its reason).
+        """
+        dir_fd, name, shown = self.walk(path, create_parents=not must_exist)
         try:
             if name is None:
                 raise FileToolError("%s is a directory" % shown)
-            # O_NONBLOCK: opening a FIFO the slot made must not block the whole agent
-            # (it fails with ENXIO when nothing reads it; it is refused below anyway).
-            # No O_TRUNC: a file is truncated only after it passed the owner checks.
-            flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if append else 0)
-            created = True
+            flags = ((os.O_RDWR if readable else os.O_WRONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                     | (os.O_APPEND if append else 0))
+            created = False
             try:
                 try:
+                    if must_exist:
+                        raise FileExistsError
                     fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
+                    created = True
                 except FileExistsError:
-                    created = False
                     fd = os.open(name, flags, dir_fd=dir_fd)
             except IsADirectoryError:
                 raise FileToolError("%s is a directory" % shown) from None
+            except FileNotFoundError:
+                raise FileToolError("no such file: %s" % shown) from None
             except OSError as exc:
                 if exc.errno == errno.ENXIO:  # a FIFO (nothing reads it)
                     raise FileToolError("%s is not a regular file" % shown) from None
                 raise FileToolError("cannot write %s: %s" % (shown, exc.strerror)) from None
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise FileToolError("%s is not a regular file" % shown)
-                if not created:
-                    self._check_owner(st, shown)
-                os.set_blocking(fd, True)
-                if not append:
-                    os.ftruncate(fd, 0)
-                if self.uid is not None:
-                    os.fchown(fd, self.uid, self.gid)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
         finally:
             os.close(dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FileToolError("%s is not a regular file" % shown)
+            if not created:
+                self._check_owner(st, shown)
+            os.set_blocking(fd, True)
+            if truncate:
+                os.ftruncate(fd, 0)
+            if self.uid is not None:
+                os.fchown(fd, self.uid, self.gid)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, shown
+
+    def write_bytes(self, path, data, append=False):
+        fd, shown = self.open_for_write(path, append=append, truncate=not append)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         return shown
 
     def list_dir(self, path=".", recursive=False, max_entries=1000):

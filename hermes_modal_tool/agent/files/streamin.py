@@ -4,12 +4,10 @@ tar stream beneath a slot's directory, in the stream's own thread (see :mod:`.st
 Stdlib-only, Python 3.8.
 """
 
-import errno
 import os
 import queue
-import stat
 
-from . import tarstream
+from . import files, tarstream
 from .streambase import CHUNK_BYTES, Stream, StreamError, text_of
 
 
@@ -109,48 +107,21 @@ class Upload(Stream):
         return (ws.uid, ws.gid) if ws.uid is not None else None
 
     def _open_file(self):
-        """The slot's file, open for writing as ``write_file`` opens it (no link followed,
-        a FIFO never blocks, a file of another owner refused); emptied, or for a resume
-        checked to hold exactly the ``offset`` bytes the host has (by SHA-256)."""
+        """The slot's file, open for writing as ``write_file`` opens it
+        (``Workspace.open_for_write``); emptied, or for a resume checked to hold exactly
+        the ``offset`` bytes the host has (by SHA-256)."""
         ws = self.slot.workspace
-        dir_fd, name, shown = ws.walk(self.path, create_parents=True)
         try:
-            if name is None:
-                raise StreamError("%s is a directory" % shown)
-            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            created = False
-            try:
-                try:
-                    if self.offset:
-                        raise FileExistsError
-                    fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
-                    created = True
-                except FileExistsError:
-                    fd = os.open(name, flags, dir_fd=dir_fd)
-            except IsADirectoryError:
-                raise StreamError("%s is a directory" % shown) from None
-            except FileNotFoundError:
-                raise StreamError("cannot resume at offset %d: no file %s" % (self.offset, shown)) from None
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:
-                    raise StreamError("%s is not a regular file" % shown) from None
-                raise StreamError("cannot write %s: %s" % (shown, exc.strerror)) from None
-        finally:
-            os.close(dir_fd)
+            fd, shown = ws.open_for_write(self.path, truncate=not self.offset,
+                                          must_exist=bool(self.offset), readable=True)
+        except files.FileToolError as exc:
+            if self.offset and str(exc).startswith("no such file"):
+                raise StreamError("cannot resume at offset %d: %s" % (self.offset, exc)) from None
+            raise
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StreamError("%s is not a regular file" % shown)
-            if not created:
-                ws._check_owner(st, shown)
-            os.set_blocking(fd, True)
             if self.offset:
-                self._check_prefix(fd, st.st_size, shown)
+                self._check_prefix(fd, os.fstat(fd).st_size, shown)
                 os.lseek(fd, self.offset, os.SEEK_SET)
-            else:
-                os.ftruncate(fd, 0)
-            if ws.uid is not None:
-                os.fchown(fd, ws.uid, ws.gid)
         except BaseException:
             os.close(fd)
             raise
