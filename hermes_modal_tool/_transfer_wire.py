@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-from .errors import SandboxError, TransferError, UsageError
+from .errors import TransferError, UsageError
 from .slots import Slot
 
 if TYPE_CHECKING:
@@ -73,16 +73,7 @@ async def _ask(sb: Sandbox, message: dict[str, Any], what: str) -> dict[str, Any
     Raises:
         TransferError: the agent refused it, did not answer, or its sandbox died.
     """
-    try:
-        reply = await sb.request(message, CHUNK_WAIT_S)
-    except SandboxError as exc:
-        raise TransferError(f"{what}: {exc}") from None
-    if not reply.get("ok"):
-        raise TransferError(f"{what}: {reply.get('error')}")
-    result = reply.get("result") or {}
-    if "blob" in reply:
-        result["blob"] = reply["blob"]
-    return result
+    return await sb.ask(message, CHUNK_WAIT_S, what, TransferError)
 
 
 async def _close(sb: Sandbox, op: str, sid: str) -> None:

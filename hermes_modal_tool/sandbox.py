@@ -267,6 +267,26 @@ class Sandbox:
             self.cancel(mid)
             raise
 
+    async def ask(self, message: dict[str, Any], wait_s: float, what: str,
+                  error: type[Exception]) -> dict[str, Any]:
+        """:meth:`request`, unwrapped: the reply's ``result`` (with the ``blob`` of a binary
+        reply). ``what`` starts the error's message.
+
+        Raises:
+            error: the agent refused the request, did not answer within ``wait_s``
+                seconds, or the sandbox died.
+        """
+        try:
+            reply = await self.request(message, wait_s)
+        except SandboxError as exc:
+            raise error(f"{what}: {exc}") from None
+        if not reply.get("ok"):
+            raise error(f"{what}: {reply.get('error')}")
+        result = reply.get("result") or {}
+        if "blob" in reply:
+            result["blob"] = reply["blob"]
+        return result
+
     # -- shutdown ------------------------------------------------------------
     async def close(self) -> None:
         """Ask the agent to clean up and exit; then make sure the sandbox is gone."""

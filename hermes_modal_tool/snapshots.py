@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import HermesModalToolError, SandboxError, SnapshotError, UsageError
+from .errors import HermesModalToolError, SnapshotError, UsageError
 from .slots import Slot, SlotState
 
 if TYPE_CHECKING:
@@ -102,13 +102,7 @@ class Snapshots:
     @staticmethod
     async def ask(sb: Sandbox, message: dict[str, Any], what: str,
                   wait_s: float = SNAPSHOT_WAIT_S) -> dict[str, Any]:
-        try:
-            reply = await sb.request(message, wait_s)
-        except SandboxError as exc:
-            raise SnapshotError(f"{what}: {exc}") from None
-        if not reply.get("ok"):
-            raise SnapshotError(f"{what}: {reply.get('error')}")
-        return reply["result"]
+        return await sb.ask(message, wait_s, what, SnapshotError)
 
     def _pool_of(self, slot: Slot) -> SandboxPool:
         pool = self.backend._pools.get(slot.profile)
