@@ -31,10 +31,14 @@ Figures per path (each the median of ``--rounds`` runs):
   ready namespace; ``1st +ms`` is the difference to the host's: what a first command
   pays.
 
+Then the wired path (:mod:`_network_wired`, skipped with ``--no-wired``): real slots of a
+``network: egress`` profile against the ``host`` path's figures and a ``network: host``
+slot's start, in the same run.
+
 Needs root, ``slirp4netns`` and ``passt`` (Debian packages; scripts/setup.sh installs
 them). Usage::
 
-    .venv/bin/python benchmarks/network.py [--rounds 5] [--connects 300] [--mb 256] [--json F]
+    .venv/bin/python benchmarks/network.py [--rounds 5] [--connects 300] [--mb 256] [--no-wired] [--json F]
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ from pathlib import Path
 from typing import Any
 
 from hermes_modal_tool.testing import fakenet as fn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _network_wired  # noqa: E402
 
 CLIENT = r"""
 import json, socket, sys, time
@@ -196,8 +203,11 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=256)
     parser.add_argument("--only", nargs="*", default=["veth-nat", "veth-policy", "slirp4netns", "pasta"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-wired", dest="wired", action="store_false",
+                        help="skip the wired path (real slots of a network: egress profile)")
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
+    wired: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="hmt-netbench-") as tmp:
         net = fn.FakeInternet(Path(tmp)).start()
         try:
@@ -214,6 +224,8 @@ def main() -> None:
                     runs[name].append(one_round(table[name], args))
             results = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]
                               if rs[0][key] is not None} for name, rs in runs.items()}
+            if args.wired:
+                wired = _network_wired.run(net, CLIENT, args.rounds, args.connects, args.mb)
         finally:
             net.stop()
     host = results["host"]
@@ -229,6 +241,26 @@ def main() -> None:
               f"{r['first_added_ms']:>8.1f} {refused}")
     print(f"(median of {args.rounds} rounds; {args.connects} connects and {args.mb} MiB per round; "
           f"{os.cpu_count()} CPUs)")
+    if wired:
+        slot, plain = wired["slot-egress"], wired["slot-host"]
+        slot["connect_ratio"] = slot["connect_us"] / host["connect_us"]
+        slot["MBps_ratio"] = slot["MBps"] / host["MBps"]
+        slot["start_added_ms"] = slot["start_ms"] - plain["start_ms"]
+        print("\nwired: a slot of a network: egress profile (router, namespace, policy, resolver) against "
+              "the host path above and a network: host slot")
+        slot["first_added_ms"] = slot["first_ms"] - plain["first_ms"]
+        slot["second_added_ms"] = slot["second_ms"] - plain["second_ms"]
+        print(f"{'slot':<8} {'connect us':>10} {'x host':>7} {'MB/s':>7} {'x host':>7} {'start ms':>9} "
+              f"{'+ms':>7} {'1st ms':>7} {'+ms':>7} {'2nd ms':>7} {'+ms':>6} {'refused us':>10}")
+        print(f"{'host':<8} {'':>10} {'':>7} {'':>7} {'':>7} {plain['start_ms']:>9.1f} {'':>7} "
+              f"{plain['first_ms']:>7.1f} {'':>7} {plain['second_ms']:>7.2f}")
+        print(f"{'egress':<8} {slot['connect_us']:>10.0f} {slot['connect_ratio']:>7.2f} {slot['MBps']:>7.0f} "
+              f"{slot['MBps_ratio']:>7.2f} {slot['start_ms']:>9.1f} {slot['start_added_ms']:>7.1f} "
+              f"{slot['first_ms']:>7.1f} {slot['first_added_ms']:>7.1f} {slot['second_ms']:>7.2f} "
+              f"{slot['second_added_ms']:>6.2f} {slot.get('refused_us', float('nan')):>10.0f}")
+        print("(start: release with reset, acquire and a first `true`; 1st: that `true` alone (the shell "
+              "starts); 2nd: the next `true`; medians of the rounds)")
+        results.update(wired)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
