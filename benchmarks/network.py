@@ -250,16 +250,18 @@ def main() -> None:
               "the host path above and a network: host slot")
         slot["first_added_ms"] = slot["first_ms"] - plain["first_ms"]
         slot["second_added_ms"] = slot["second_ms"] - plain["second_ms"]
+        slot["settled_added_ms"] = slot["settled_ms"] - plain["settled_ms"]
         print(f"{'slot':<8} {'connect us':>10} {'x host':>7} {'MB/s':>7} {'x host':>7} {'start ms':>9} "
-              f"{'+ms':>7} {'1st ms':>7} {'+ms':>7} {'2nd ms':>7} {'+ms':>6} {'refused us':>10}")
+              f"{'+ms':>7} {'1st ms':>7} {'+ms':>7} {'2nd ms':>7} {'+ms':>6} {'settled':>7} {'+ms':>6} {'refused us':>10}")
         print(f"{'host':<8} {'':>10} {'':>7} {'':>7} {'':>7} {plain['start_ms']:>9.1f} {'':>7} "
-              f"{plain['first_ms']:>7.1f} {'':>7} {plain['second_ms']:>7.2f}")
+              f"{plain['first_ms']:>7.1f} {'':>7} {plain['second_ms']:>7.2f} {'':>6} {plain['settled_ms']:>7.2f}")
         print(f"{'egress':<8} {slot['connect_us']:>10.0f} {slot['connect_ratio']:>7.2f} {slot['MBps']:>7.0f} "
               f"{slot['MBps_ratio']:>7.2f} {slot['start_ms']:>9.1f} {slot['start_added_ms']:>7.1f} "
               f"{slot['first_ms']:>7.1f} {slot['first_added_ms']:>7.1f} {slot['second_ms']:>7.2f} "
-              f"{slot['second_added_ms']:>6.2f} {slot.get('refused_us', float('nan')):>10.0f}")
+              f"{slot['second_added_ms']:>6.2f} {slot['settled_ms']:>7.2f} {slot['settled_added_ms']:>6.2f} "
+              f"{slot.get('refused_us', float('nan')):>10.0f}")
         print("(start: release with reset, acquire and a first `true`; 1st: that `true` alone (the shell "
-              "starts); 2nd: the next `true`; medians of the rounds)")
+              "starts); 2nd: the next `true`; settled: a first `true` 1 s after a background release; medians)")
         results.update(wired)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
