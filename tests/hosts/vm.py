@@ -48,6 +48,11 @@ mkdir -p /newroot/hmt-out
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 out /newroot/hmt-out
 if [ -d /newroot/hmt-out/systemd ]; then  # a cell under systemd: its units, then systemd
   cp /newroot/hmt-out/systemd/* /newroot/etc/systemd/system/
+  # This host's / may be a container's (/.dockerenv): systemd would then take the VM for
+  # one too and ignore systemd.unit= on the kernel's command line (and boot every unit
+  # of the host's default target). The VM is not one; its default target is the cell's.
+  rm -f /newroot/.dockerenv /newroot/run/.containerenv
+  ln -sf hmt.target /newroot/etc/systemd/system/default.target
   exec switch_root /newroot /lib/systemd/systemd
 fi
 exec switch_root /newroot /bin/bash /hmt-out/stage2.sh
