@@ -205,7 +205,8 @@ class SandboxConfig(BaseModel):
     network: Literal["none", "egress", "host"] = Field(
         "host", description="Each slot's network: 'none' (loopback only), 'egress' (a network "
                             "namespace of its own behind the agent's policy: see egress and the "
-                            "README's Network section; local driver), 'host' (the sandbox's "
+                            "README's Network section; on modal, Modal's outbound allow-lists per "
+                            "sandbox), 'host' (the sandbox's "
                             "network). true and false are aliases of 'host' and 'none'.")
     egress: EgressOptions = Field(
         default_factory=lambda: EgressOptions(),
@@ -314,8 +315,9 @@ class SandboxConfig(BaseModel):
         if self.volumes:
             check_volumes(self.volumes, self.workspace_base, self.driver)
         if self.network == "egress" and self.driver == "modal":
-            raise ValueError("network: egress is enforced on the local driver only (so far); on "
-                             "modal use 'none' (block_network) or 'host'")
+            from .modal_network import check  # Modal enforces egress itself: what it can
+
+            check(self.egress, self.name)
         if self.network == "egress" and self.isolation == "none":
             raise ValueError("network: egress needs isolation: bwrap (without it a slot runs with "
                              "the agent's privileges and could leave its namespace)")
