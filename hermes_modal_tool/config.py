@@ -13,7 +13,15 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 from .profiles import (
@@ -60,7 +68,10 @@ class EgressOptions(BaseModel):
     ``"address:port"`` (IPv4); default: the first nameserver of the host's
     ``/etc/resolv.conf``. ``upstream``: how the sandbox's router namespace reaches the
     network: ``"slirp4netns"`` (user-mode, through the host's sockets; the host's loopback
-    not mapped) or ``"none"`` (attached by the caller; tests). Checked by :class:`hermes_modal_tool.agent.net.policy.EgressPolicy`.
+    not mapped) or ``"none"`` (attached by the caller; tests). ``proxy``: ``true`` sends
+    the slots' HTTP(S) through the agent's forward proxy (``HTTP_PROXY``/``HTTPS_PROXY``
+    set; the proxy applies ``allow``/``deny``) and refuses every direct connection
+    (:mod:`hermes_modal_tool.agent.net.proxy`). Checked by :class:`hermes_modal_tool.agent.net.policy.EgressPolicy`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -68,6 +79,7 @@ class EgressOptions(BaseModel):
     deny: list[str] = Field(default_factory=list)
     dns: str | None = None
     upstream: Literal["slirp4netns", "none"] = "slirp4netns"
+    proxy: StrictBool = False
 
     @model_validator(mode="after")
     def _lists(self) -> EgressOptions:

@@ -14,8 +14,8 @@ outside the container (``modal.Sandbox.create``, SDK 1.6):
 - ``network: host`` -> neither (Modal's default: open).
 
 What has no Modal equivalent is refused when the profile loads (:func:`check`):
-``deny`` (Modal has allow-lists only), ``dns`` (Modal's resolver answers) and
-``upstream: none``. Inside the container the slots share the container's network
+``deny`` (Modal has allow-lists only), ``dns`` (Modal's resolver answers),
+``upstream: none`` and ``proxy``. Inside the container the slots share the container's network
 (the agent is started with ``network: host``): a namespace per slot behind the agent's
 router needs ``/dev/net/tun`` for ``slirp4netns`` and nftables, which neither Modal's
 container runtime (gVisor) promises nor the local control plane's containers have.
@@ -76,7 +76,9 @@ def check(egress: Any, profile: str) -> None:
     why = {"deny": (bool(egress.deny), "Modal has allow-lists only (outbound_cidr_allowlist, "
                     "outbound_domain_allowlist); list what is allowed instead"),
            "dns": (egress.dns is not None, "Modal's own resolver answers in its containers"),
-           "upstream": (egress.upstream != "slirp4netns", "Modal's network is the upstream")}
+           "upstream": (egress.upstream != "slirp4netns", "Modal's network is the upstream"),
+           "proxy": (egress.proxy, "the forward proxy runs in the agent's router namespace, "
+                     "which Modal containers do not get")}
     for key, (bad, reason) in why.items():
         if bad:
             raise ValueError(f"profile {profile!r}: egress.{key} has no equivalent on the modal "
