@@ -13,6 +13,7 @@ import pytest
 from support import SMALL, bash, settle
 
 from hermes_modal_tool import SandboxConfig
+from hermes_modal_tool.agent.net import proxy
 from hermes_modal_tool.testing import fakenet as fn
 
 #: Run in the slot; prints one JSON object of verdicts.
@@ -81,11 +82,31 @@ async def test_proxy_only_egress(proxied: Any) -> None:
     assert out["get_denied"].startswith("403 ") and "api.example.test" in out["get_denied"], out
     assert out["connect_private"] == "HTTP/1.1 403 Forbidden", out
     # The same address as the allowed name's, directly: refused at once by the table.
-    word, seconds = out["direct"].split()
-    assert word == "ConnectionRefusedError" and float(seconds) < 0.5, out
+    verdict = out["direct"].split()
+    assert verdict[0] == "ConnectionRefusedError" and float(verdict[-1]) < 0.5, out
     status = backend.get_status()
     assert status["network_refused"] == 0
     await backend.release(slot)
     # The tenant's refusals, counted as its slot is released: 2 by the proxy (and the
     # name's NXDOMAIN), 1 by the table.
     assert await settle(lambda: backend.get_status()["network_refused"] >= 3, 10), backend.get_status()
+
+
+@pytest.mark.parametrize(("head", "why"), [
+    (b"CONNECT www.example.test HTTP/1.1\r\n\r\n", "host:port"),
+    (b"GET /relative HTTP/1.1\r\nHost: x\r\n\r\n", "absolute http://"),
+    (b"GET https://www.example.test/ HTTP/1.1\r\n\r\n", "absolute http://"),
+    (b"CONNECT www.example.test:99999 HTTP/1.1\r\n\r\n", "bad target"),
+    (b"garbage\r\n\r\n", "malformed"),
+])
+def test_bad_proxy_requests_are_refused_with_the_reason(head: bytes, why: str) -> None:
+    with pytest.raises(proxy.Refused, match=why):
+        proxy.parse_head(head)
+
+
+def test_absolute_uri_is_sent_on_in_origin_form_without_proxy_headers() -> None:
+    method, host, port, forward = proxy.parse_head(
+        b"GET http://www.example.test:8080/a?b=1 HTTP/1.1\r\nHost: www.example.test:8080\r\n"
+        b"Proxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\n\r\n")
+    assert (method, host, port) == ("GET", "www.example.test", 8080)
+    assert forward == b"GET /a?b=1 HTTP/1.1\r\nHost: www.example.test:8080\r\n\r\n"
