@@ -223,7 +223,8 @@ class SandboxConfig(BaseModel):
     egress: EgressOptions = Field(
         default_factory=lambda: EgressOptions(),
         description="network: egress only: {allow: [CIDR or name pattern], deny: [...], "
-                    "dns: 'address[:port]' of the resolver allowed names are asked of}.")
+                    "dns: 'address[:port]' of the resolver allowed names are asked of, "
+                    "proxy: true for HTTP(S) only through the agent's forward proxy}.")
     isolation: Literal["bwrap", "none"] = Field(
         "bwrap", description="'none' runs slots without namespaces (trusted code only).")
     slot_memory: int | None = Field(
