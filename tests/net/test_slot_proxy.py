@@ -7,6 +7,8 @@ nftables table. Against the fake internet (the router attached with ``upstream: 
 from __future__ import annotations
 
 import json
+import socket
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from support import SMALL, bash, settle
 
 from hermes_modal_tool import SandboxConfig
 from hermes_modal_tool.agent.net import proxy
+from hermes_modal_tool.agent.net.policy import EgressPolicy
 from hermes_modal_tool.testing import fakenet as fn
 
 #: Run in the slot; prints one JSON object of verdicts.
@@ -110,3 +113,39 @@ def test_absolute_uri_is_sent_on_in_origin_form_without_proxy_headers() -> None:
         b"Proxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\n\r\n")
     assert (method, host, port) == ("GET", "www.example.test", 8080)
     assert forward == b"GET /a?b=1 HTTP/1.1\r\nHost: www.example.test:8080\r\n\r\n"
+
+
+def test_one_slot_cannot_take_every_proxy_connection() -> None:
+    """On 127.0.0.1 (the test's own loopback): a slot's 65th open connection is closed at
+    once, another slot's is served, and the first slot is served again once one ends."""
+    slot = (EgressPolicy(["www.example.test"]), None)
+    server = proxy.ForwardProxy(lambda peer: slot, bind=("127.0.0.1", 0)).start()
+    port = server._sock.getsockname()[1]
+
+    def answer(source: str) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), 5, source_address=(source, 0)) as s:
+            try:
+                s.sendall(b"GET /relative HTTP/1.1\r\n\r\n")  # refused by the proxy: a 403
+                return s.recv(12)
+            except ConnectionResetError:  # closed with the request unread
+                return b""
+
+    held = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(proxy.MAX_PER_SLOT)]
+    try:
+        assert answer("127.0.0.2") == b"HTTP/1.1 403"  # another slot: served
+        assert answer("127.0.0.1") == b""  # this one's 65th: closed
+        held.pop().close()
+        assert settle_sync(lambda: answer("127.0.0.1") == b"HTTP/1.1 403")
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+
+
+def settle_sync(check: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False

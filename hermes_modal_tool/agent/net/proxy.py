@@ -8,7 +8,7 @@ nftables table refuses every other forwarded connection (:func:`.nftrules.slot_r
 with ``proxy``), so a direct ``connect`` fails at once.
 
 What it serves, per connection (a thread each, at most :data:`MAX_CONNECTIONS` at once
-for the sandbox; a request head of at most :data:`MAX_HEAD` bytes within
+for the sandbox and :data:`MAX_PER_SLOT` for one slot; more are closed at once; a request head of at most :data:`MAX_HEAD` bytes within
 :data:`HEAD_TIMEOUT` seconds):
 
 - ``CONNECT host:port`` (HTTPS and any TCP): ``200`` then bytes both ways;
@@ -36,6 +36,7 @@ MAX_HEAD = 16384
 HEAD_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
 MAX_CONNECTIONS = 256
+MAX_PER_SLOT = 64  # so that one slot cannot take every connection of its sandbox
 _DROPPED = (b"proxy-connection", b"proxy-authorization", b"keep-alive")
 
 
@@ -129,6 +130,7 @@ class ForwardProxy:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self.refused = {}  # source address -> requests refused
+        self._open = {}  # source address -> connections being served
         self.served = 0
 
     def start(self):
@@ -147,8 +149,14 @@ class ForwardProxy:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # the sandbox's connections are all in use
+            with self._lock:
+                busy = self._open.get(peer[0], 0) >= MAX_PER_SLOT
+                if not busy:
+                    self._open[peer[0]] = self._open.get(peer[0], 0) + 1
+            if busy or not self._slots.acquire(blocking=False):
+                if not busy:
+                    self._done(peer[0])
+                conn.close()  # the slot's (or the sandbox's) connections are all in use
                 continue
             threading.Thread(target=self._handle, args=(conn, peer[0]), name="hmt-proxy-conn",
                              daemon=True).start()
@@ -197,6 +205,15 @@ class ForwardProxy:
                 if s is not None:
                     s.close()
             self._slots.release()
+            self._done(peer)
+
+    def _done(self, peer):
+        with self._lock:
+            left = self._open.get(peer, 1) - 1
+            if left:
+                self._open[peer] = left
+            else:
+                self._open.pop(peer, None)
 
     def _destination(self, slot, host, port):
         """The address to connect to for ``host`` under the slot's policy.
