@@ -13,7 +13,15 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 from .profiles import (
@@ -60,7 +68,10 @@ class EgressOptions(BaseModel):
     ``"address:port"`` (IPv4); default: the first nameserver of the host's
     ``/etc/resolv.conf``. ``upstream``: how the sandbox's router namespace reaches the
     network: ``"slirp4netns"`` (user-mode, through the host's sockets; the host's loopback
-    not mapped) or ``"none"`` (attached by the caller; tests). Checked by :class:`hermes_modal_tool.agent.net.policy.EgressPolicy`.
+    not mapped) or ``"none"`` (attached by the caller; tests). ``proxy``: ``true`` sends
+    the slots' HTTP(S) through the agent's forward proxy (``HTTP_PROXY``/``HTTPS_PROXY``
+    set; the proxy applies ``allow``/``deny``) and refuses every direct connection
+    (:mod:`hermes_modal_tool.agent.net.proxy`). Checked by :class:`hermes_modal_tool.agent.net.policy.EgressPolicy`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -68,6 +79,7 @@ class EgressOptions(BaseModel):
     deny: list[str] = Field(default_factory=list)
     dns: str | None = None
     upstream: Literal["slirp4netns", "none"] = "slirp4netns"
+    proxy: StrictBool = False
 
     @model_validator(mode="after")
     def _lists(self) -> EgressOptions:
@@ -205,12 +217,14 @@ class SandboxConfig(BaseModel):
     network: Literal["none", "egress", "host"] = Field(
         "host", description="Each slot's network: 'none' (loopback only), 'egress' (a network "
                             "namespace of its own behind the agent's policy: see egress and the "
-                            "README's Network section; local driver), 'host' (the sandbox's "
+                            "README's Network section; on modal, Modal's outbound allow-lists per "
+                            "sandbox), 'host' (the sandbox's "
                             "network). true and false are aliases of 'host' and 'none'.")
     egress: EgressOptions = Field(
         default_factory=lambda: EgressOptions(),
         description="network: egress only: {allow: [CIDR or name pattern], deny: [...], "
-                    "dns: 'address[:port]' of the resolver allowed names are asked of}.")
+                    "dns: 'address[:port]' of the resolver allowed names are asked of, "
+                    "proxy: true for HTTP(S) only through the agent's forward proxy}.")
     isolation: Literal["bwrap", "none"] = Field(
         "bwrap", description="'none' runs slots without namespaces (trusted code only).")
     slot_memory: int | None = Field(
@@ -314,8 +328,9 @@ class SandboxConfig(BaseModel):
         if self.volumes:
             check_volumes(self.volumes, self.workspace_base, self.driver)
         if self.network == "egress" and self.driver == "modal":
-            raise ValueError("network: egress is enforced on the local driver only (so far); on "
-                             "modal use 'none' (block_network) or 'host'")
+            from .modal_network import check  # Modal enforces egress itself: what it can
+
+            check(self.egress, self.name)
         if self.network == "egress" and self.isolation == "none":
             raise ValueError("network: egress needs isolation: bwrap (without it a slot runs with "
                              "the agent's privileges and could leave its namespace)")

@@ -6,6 +6,7 @@ Nothing falls back silently: every bad input raises ConfigError naming the file
 
 from __future__ import annotations
 
+import ipaddress
 import textwrap
 from pathlib import Path
 
@@ -485,11 +486,32 @@ def test_bad_egress_entry_is_named(tmp_path, egress, named):
     assert_names(exc, str(path), "web", "egress", named)
 
 
-def test_egress_on_modal_is_refused():
-    assert SandboxConfig(name="ok", network="egress").network == "egress"  # local: fine
+@pytest.mark.parametrize(("egress", "key"), [({"deny": ["evil.test"]}, "egress.deny"),
+                                            ({"dns": "192.0.2.53"}, "egress.dns"),
+                                            ({"upstream": "none"}, "egress.upstream")])
+def test_egress_without_a_modal_equivalent_is_refused_on_modal(egress, key):
+    assert SandboxConfig(name="ok", network="egress", egress=egress).network == "egress"  # local: fine
     with pytest.raises(ConfigError) as exc:
-        SandboxConfig(name="m", driver="modal", network="egress")
-    assert_names(exc, "'m'", "egress", "local driver")
+        SandboxConfig(name="m", driver="modal", network="egress", egress=egress)
+    assert_names(exc, "'m'", key, "modal driver")
+
+
+def test_modal_network_arguments():
+    from hermes_modal_tool.modal_network import create_kwargs, open_allowlist
+
+    def kwargs(**fields):
+        return create_kwargs(SandboxConfig(name="m", driver="modal", **fields))
+
+    assert kwargs(network="none") == {"block_network": True} and kwargs(network="host") == {}
+    assert kwargs(network="egress", egress={"allow": ["203.0.113.0/24", "*.example.test"]}) == {
+        "outbound_cidr_allowlist": ["203.0.113.0/24"], "outbound_domain_allowlist": ["*.example.test"]}
+    # No allow list: every public IPv4 address, none of the default-denied ranges.
+    cidrs = kwargs(network="egress")["outbound_cidr_allowlist"]
+    assert cidrs == open_allowlist() and "8.0.0.0/7" in cidrs
+    nets = [ipaddress.ip_network(c) for c in cidrs]
+    for inside, allowed in (("8.8.8.8", True), ("203.0.113.10", True), ("10.1.2.3", False),
+                            ("169.254.169.254", False), ("127.0.0.1", False), ("100.64.0.1", False)):
+        assert any(ipaddress.ip_address(inside) in n for n in nets) == allowed, inside
     with pytest.raises(ConfigError) as exc:
         SandboxConfig(name="n", network="egress", isolation="none")
     assert_names(exc, "'n'", "egress", "isolation: bwrap")

@@ -31,7 +31,7 @@ LAYERS = [
     ("drivers", [P + "drivers", P + "images"]),
     ("config and shared types", [P + m for m in (
         "config", "profiles", "volumes", "gpus", "secrets", "slots", "usage", "tools", "portal", "loops",
-        "tracing", "_version")]),
+        "tracing", "_version", "modal_network")]),
     ("agent", [P + "agent"]),
     ("protocol/errors", [P + m for m in ("protocol", "deadlines", "errors")]),
 ]

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import agent
+from ..agent.net.proxy import proxy_env
 from ..config import SandboxConfig
 from ..errors import IsolationUnavailableError, SandboxStartError
 from ..gpus import LocalGpus
@@ -370,6 +371,8 @@ class LocalDriver(Driver):
                "PYTHONDONTWRITEBYTECODE": "1"}
         if base:
             return env
+        if config.network == "egress" and config.egress.proxy:  # the router's proxy (agent/net/proxy.py)
+            env.update(proxy_env())
         env.update(config.env_vars)
         env.update(resolve_secrets(config.secrets, config.name))
         return env

@@ -35,7 +35,7 @@ from typing import Any
 import modal
 from modal import exception as mexc
 
-from .. import agent
+from .. import agent, modal_network
 from ..config import SandboxConfig
 from ..errors import CredentialsError, SandboxStartError, SecretNotFoundError
 from ..gpus import container_init
@@ -212,6 +212,7 @@ class ModalDriver(Driver):
         self._live: dict[str, Any] = {}  # modal object id -> Sandbox we created and not yet ended
         self.owner = uuid.uuid4().hex[:12]
         self.stats = {"created": 0, "create_retries": 0, "adopted_after_error": 0}
+        self._networks: dict[str, dict[str, Any]] = {}  # profile -> modal_network.describe
 
     async def _get_client(self, config: SandboxConfig) -> Any:
         if self._client_lock is None:
@@ -271,6 +272,7 @@ class ModalDriver(Driver):
         secrets = [modal.Secret.from_name(n) for n in config.secrets]
         volumes = await modal_volumes(config, client, translate_error) if config.volumes else {}
         tags = self.tags(config, sandbox_id)
+        self._networks[config.name] = modal_network.describe(config)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 90.0
         delay = 0.5
@@ -283,7 +285,7 @@ class ModalDriver(Driver):
                     cpu=config.cpu, memory=config.memory, gpu=config.gpu,
                     timeout=max(1, int(config.max_lifetime)),
                     idle_timeout=max(1, int(config.idle_timeout)),
-                    block_network=config.network == "none", tags=tags, volumes=volumes, client=client)
+                    tags=tags, volumes=volumes, client=client, **modal_network.create_kwargs(config))
             except _RETRYABLE as exc:
                 found = await self._find_created(app, client, tags[TAG_CREATE])
                 if found is not None:
@@ -348,7 +350,9 @@ class ModalDriver(Driver):
             "slots": config.slots_per_sandbox,
             "isolation": config.isolation,
             "bwrap": "auto",
-            "network": config.network,
+            # egress is Modal's to enforce, per sandbox (modal_network.py): the slots
+            # share the container's network.
+            "network": "host" if config.network == "egress" else config.network,
             "env": {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", **config.env_vars},
             "inherit_env": True,
             "uid_base": UID_BASE if config.isolation == "bwrap" else None,
@@ -374,7 +378,8 @@ class ModalDriver(Driver):
 
     def describe(self) -> dict[str, Any]:
         return {"driver": self.name, "create_rate": self.create_rate, "max_starting": self.max_starting,
-                "live_sandboxes": len(self._live), "owner": self.owner, **self.stats}
+                "live_sandboxes": len(self._live), "owner": self.owner, **self.stats,
+                "network": dict(self._networks)}
 
     async def aclose(self) -> None:
         """Terminate every sandbox this driver created that is still running; close the client."""

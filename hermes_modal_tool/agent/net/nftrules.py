@@ -37,7 +37,7 @@ def _elements(nets):
     return ", ".join(str(n) for n in nets)
 
 
-def slot_ruleset(slot, iface, slot_address, policy, resolver):
+def slot_ruleset(slot, iface, slot_address, policy, resolver, proxy=None):
     """The ``nft -f`` script that (re)creates slot ``slot``'s table.
 
     Args:
@@ -46,6 +46,9 @@ def slot_ruleset(slot, iface, slot_address, policy, resolver):
         slot_address: the slot's IPv4 address on that pair (string).
         policy: the slot's :class:`.policy.EgressPolicy`.
         resolver: ``(address, port)`` of the slot's resolver on the agent's end.
+        proxy: ``(address, port)`` of the sandbox's forward proxy (``egress.proxy``;
+            :mod:`.proxy`) or None: with it the slot may reach only the proxy and its
+            resolver; every forwarded connection is refused.
 
     Returns:
         The script (str): it deletes the table first when it exists, so applying it
@@ -74,17 +77,20 @@ def slot_ruleset(slot, iface, slot_address, policy, resolver):
         "  type filter hook input priority filter; policy accept;",
         "  {m} ct state established,related accept",
         "  {m} ip daddr {ra} meta l4proto { udp, tcp } th dport {rp} accept",
+    ] + (["  {m} ip daddr %s tcp dport %d accept" % proxy] if proxy else []) + [
         "  {m} " + _REJECT,
         " }",
         " chain egress {",
         "  type filter hook forward priority filter; policy accept;",
         "  {m} ct state established,related accept",
         "  {m} meta nfproto ipv6 " + _REJECT.replace("{match}", "{m} meta nfproto ipv6"),
+    ] + (["  {m} " + _REJECT] if proxy else [  # proxy-only: nothing direct
         "  {m} ip daddr @deny4 " + _REJECT.replace("{match}", "{m} ip daddr @deny4"),
         "  {m} ip daddr @allow4 counter accept",
         "  {m} ip daddr @default4 " + _REJECT.replace("{match}", "{m} ip daddr @default4"),
         "  {m} ip daddr @learned4 counter accept",
         "  {m} " + ("counter accept" if policy.open else _REJECT),
+    ]) + [
         " }",
         " chain out {",
         "  type nat hook postrouting priority srcnat; policy accept;",

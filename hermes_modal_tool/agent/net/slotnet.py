@@ -34,7 +34,7 @@ import signal
 import subprocess
 import threading
 
-from . import hostaddrs, nftrules
+from . import hostaddrs, nftrules, proxy
 from .policy import EgressPolicy
 from .resolver import DnsResolver
 
@@ -204,6 +204,9 @@ class SandboxNet:
         else:
             self.dns = upstream_dns()
         self.upstream = options.get("upstream") or "slirp4netns"
+        self.proxy_only = bool(options.get("proxy"))
+        self.proxy = None  # the ForwardProxy, with proxy_only
+        self._by_address = {}  # slot address -> index (the proxy's slot_of)
         self.host = hostaddrs.host_addresses()  # read here, in the agent's (host's) namespace
         self.router = None  # (fd, inode)
         self.slots = {}
@@ -225,6 +228,10 @@ class SandboxNet:
             raise NetError("the router namespace is the agent's own")
         self._router("ip", "link", "set", "lo", "up")
         self._router("sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        if self.proxy_only:
+            self._router("ip", "addr", "add", proxy.ADDRESS + "/32", "dev", "lo")
+            with entered(fd, inode):  # its socket and threads in the router
+                self.proxy = proxy.ForwardProxy(self._slot_of).start()
         if self.upstream == "slirp4netns":
             # The router's fd, inherited at its number: slirp4netns enters the namespace
             # through /proc/self/fd/<n> (pasta cannot open its tap in a namespace it did
@@ -250,6 +257,10 @@ class SandboxNet:
                     why.decode("utf-8", "replace").strip()[-300:],))
             self._upstream.stderr.close()
         return self
+
+    def _slot_of(self, address):
+        net = self.slots.get(self._by_address.get(address, -1))
+        return (net.policy, net.resolver) if net is not None else None
 
     def _router(self, *argv, text=None):
         tool = {"ip": self.ip, "nft": self.nft}.get(argv[0], argv[0])
@@ -292,13 +303,15 @@ class SandboxNet:
                 with entered(*self.router):  # its sockets (and threads) in the router
                     resolver = DnsResolver(policy, self.dns, bind=(ours, 53), on_learn=learned).start()
                 self._router("nft", "-f", "-", text=nftrules.slot_ruleset(
-                    index, iface, theirs, policy, resolver.address))
+                    index, iface, theirs, policy, resolver.address,
+                    proxy=(proxy.ADDRESS, proxy.PORT) if self.proxy_only else None))
             except BaseException:
                 if resolver is not None:
                     resolver.close()
                 self._drop(index, fd)
                 raise
             net = self.slots[index] = SlotNet(index, fd, inode, policy, resolver)
+            self._by_address[theirs] = index
             return net
 
     @contextlib.contextmanager
@@ -320,7 +333,12 @@ class SandboxNet:
             connections = nftrules.refusal_count(listing)
         except (NetError, ValueError):
             connections = 0
-        return {"names": net.resolver.refused, "connections": connections}
+        return {"names": net.resolver.refused, "connections": connections + self._proxy_refused(index)}
+
+    def _proxy_refused(self, index):
+        if self.proxy is None:
+            return 0
+        return self.proxy.refused.get(slot_addresses(index)[1], 0)
 
     def reset_result(self, index):
         """What a reset of slot ``index`` answers: ``{"network_refused": {"names": n,
@@ -339,6 +357,11 @@ class SandboxNet:
                 return
             counts = self.refusals_of(net)
             self.refused_released += counts["names"] + counts["connections"]
+            address = slot_addresses(index)[1]
+            self._by_address.pop(address, None)
+            if self.proxy is not None:
+                with self.proxy._lock:
+                    self.proxy.refused.pop(address, None)  # the next tenant counts afresh
             self._released_counts[index] = counts
             net.resolver.close()
             self._drop(index, net.fd)
@@ -346,9 +369,10 @@ class SandboxNet:
     def refusals_of(self, net):
         try:
             listing = self._router("nft", "-j", "list", "table", "inet", nftrules.table_name(net.index))
-            return {"names": net.resolver.refused, "connections": nftrules.refusal_count(listing)}
+            connections = nftrules.refusal_count(listing)
         except (NetError, ValueError):
-            return {"names": net.resolver.refused, "connections": 0}
+            connections = 0
+        return {"names": net.resolver.refused, "connections": connections + self._proxy_refused(net.index)}
 
     def _drop(self, index, fd):
         for argv, text in ((["nft", "-f", "-"], nftrules.delete_table(index)),
@@ -363,6 +387,7 @@ class SandboxNet:
         """What ``get_status()`` shows: the mode, the policy and the refusals per slot."""
         return {"mode": "egress", "allow": self.allow, "deny": self.deny,
                 "dns": "%s:%d" % self.dns if self.dns else None, "upstream": self.upstream,
+                "proxy": "%s:%d" % (proxy.ADDRESS, proxy.PORT) if self.proxy_only else None,
                 "enforced_by": "nftables in the sandbox's router namespace (outside the slots' "
                                "user namespaces); DNS by the agent's resolver",
                 "refused": {str(i): self.refusals(i) for i in sorted(self.slots)},
@@ -375,6 +400,9 @@ class SandboxNet:
                 self.release(index)
             except (NetError, OSError):
                 pass
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
         if self._upstream is not None:
             self._upstream.kill()
             self._upstream.wait()

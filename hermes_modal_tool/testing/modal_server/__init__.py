@@ -67,8 +67,9 @@ back to ``"none"``: plain processes in their own session, paths are host paths
 **Known gaps.** Images are recorded, never built or used (every sandbox sees the
 host's filesystem); ``cpu``/``memory``/``gpu`` are recorded, not enforced (``memory``
 only sizes ``/dev/shm``; a ``gpu`` sandbox gets the stand-in nodes of
-``HERMES_MODAL_TOOL_GPU_ROOT`` in its ``/dev`` when that test-only tree is set); outbound
-allowlists are not enforced (only ``block_network``); no PTY (``pty=`` runs
+``HERMES_MODAL_TOOL_GPU_ROOT`` in its ``/dev`` when that test-only tree is set);
+outbound allow-lists are enforced outside the container, as Modal does (``_network.py``);
+no PTY (``pty=`` runs
 without one), tunnels, snapshots, sidecars, ``Sandbox.logs`` or ephemeral
 apps (``app.run()``); Modal Volumes are host directories under the state dir
 (``VolumeGetOrCreate``, ``VolumeDelete``, a sandbox's ``volume_mounts``: see

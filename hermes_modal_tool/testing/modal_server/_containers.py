@@ -21,12 +21,13 @@ from ._common import (
     WRITABLE_DIRS,
     _new_id,
 )
+from ._network import NetError, _Networks
 from ._processes import _Process, _Sandbox
 from ._records import _IMAGES
 from ._shm import mount_shm, size_mib, unmount_shm
 
 
-class _Containers:
+class _Containers(_Networks):
     """Containers: each process in its own bwrap; a sandbox's lifetime (start, timeouts, finish).
 
     A part of :class:`LocalModalServer` (a mixin): it uses the server's state.
@@ -77,7 +78,7 @@ class _Containers:
             argv = self._container_argv(sb.fs, proc.argv, cwd, block_network=sb.record.block_network,
                                         gpu=sb.record.gpu, root=root,
                                         volumes=self._volume_binds(sb.record.volumes, root))
-            await proc.start(self, argv, env, None, timeout_s)
+            await proc.start(self, self._netns_argv(sb) + argv, env, None, timeout_s)
             return
         if root is not None or sb.record.volumes:
             why = f"image {sb.record.image_tag!r} has a root of its own ({root})" if root else "Volumes"
@@ -110,6 +111,12 @@ class _Containers:
                     "local Modal server: sandbox %s keeps /dev/shm on disk: %s", rec.sandbox_id, exc)
             if sb.result is not None:  # finished meanwhile: its _finish may have run already
                 await asyncio.to_thread(unmount_shm, sb.fs / "shm")
+                return
+        if rec.allowed is not None:
+            try:
+                await self._open_network(sb)
+            except (OSError, NetError) as exc:
+                await self._finish(sb, "failure", f"Sandbox network failed to start: {exc}", 1)
                 return
         image = _IMAGES.get(rec.image_id)
         if image is not None and image.fs_snapshot is not None:  # Sandbox.snapshot_filesystem
@@ -177,6 +184,7 @@ class _Containers:
             await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=10)
         if self.isolation == "bwrap":
             await asyncio.to_thread(unmount_shm, sb.fs / "shm")
+        await self._close_network(sb)
         sb.stdout.close()
         sb.stderr.close()
 

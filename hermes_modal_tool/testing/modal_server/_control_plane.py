@@ -13,6 +13,7 @@ from grpclib import GRPCError, Status
 from modal_proto import api_pb2
 
 from ._common import _BUILDER_VERSION, _MESSAGES, GenericResult, _hash_id, _new_id
+from ._network import access_of
 from ._processes import _Sandbox
 from ._records import _IMAGES, ImageRecord, SandboxRecord, _Secret
 
@@ -213,8 +214,7 @@ class _ControlPlaneHandlers:
         gpu = res.gpu_config.gpu_type or None
         if gpu and res.gpu_config.count > 1:
             gpu = f"{gpu}:{res.gpu_config.count}"
-        blocked = (d.block_network or d.network_access.network_access_type
-                   == api_pb2.NetworkAccess.NetworkAccessType.BLOCKED)
+        blocked, allowed = access_of(d, self.isolation)
         sandbox_id = _new_id("sb") if not v2 else _new_id("sb", 24)
         now = max(time.time(), self._last_created + 1e-6)  # strictly increasing: list paging
         self._last_created = now
@@ -229,7 +229,7 @@ class _ControlPlaneHandlers:
             memory_mib=res.memory_mb or None, memory_limit_mib=res.memory_mb_max or None, gpu=gpu,
             timeout_s=d.timeout_secs,
             idle_timeout_s=d.idle_timeout_secs if d.HasField("idle_timeout_secs") else None,
-            block_network=blocked, tags={t.tag_name: t.tag_value for t in req.tags},
+            block_network=blocked, allowed=allowed, tags={t.tag_name: t.tag_value for t in req.tags},
             secret_names=names, env=inline, created_at=now, volumes=volumes,
             state_dir=self.state_dir / "sandboxes" / sandbox_id)  # type: ignore[operator]
         sb = _Sandbox(self, record, env)

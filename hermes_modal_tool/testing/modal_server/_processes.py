@@ -174,6 +174,7 @@ class _Sandbox:
         self.last_activity = time.monotonic()
         self.deadline = float("inf")
         self._lifetime_changed = asyncio.Event()
+        self.net: Any = None  # an allow-listed sandbox's SandboxNet (_network.py)
 
     @property
     def fs(self) -> Path:

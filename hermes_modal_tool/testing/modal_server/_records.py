@@ -87,6 +87,8 @@ class SandboxRecord:
     live_execs: int = 0
     exec_count: int = 0
     volumes: list[tuple[str, str, bool]] = dataclasses.field(default_factory=list)
+    #: An outbound allow-list's CIDRs and domains (None: open or blocked; _network.py).
+    allowed: list[str] | None = None
 
 
 @dataclasses.dataclass

@@ -57,6 +57,11 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
         token_secret: the only token secret accepted.
         isolation: ``"bwrap"`` (containers; raises on start if bwrap cannot run as
             root here), ``"none"`` (plain processes) or ``"auto"`` (bwrap if it works).
+        network_attach: for sandboxes with an outbound allow-list: called with the path
+            of each one's router namespace (``/proc/<pid>/fd/<n>``) to connect it to a
+            network (tests: ``FakeInternet.attach``); default ``slirp4netns`` (_network.py).
+        network_dns: ``"address[:port]"`` allowed domains are resolved through (default:
+            the host's first nameserver).
 
     Attributes:
         url: ``"http://127.0.0.1:PORT"`` once started.
@@ -81,13 +86,17 @@ class LocalModalServer(_Containers, _ControlPlaneHandlers, _RouterHandlers, _FsS
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None, *, port: int = 0,
                  token_id: str = "ak-local", token_secret: str = "as-local",
-                 isolation: Literal["auto", "bwrap", "none"] = "auto") -> None:
+                 isolation: Literal["auto", "bwrap", "none"] = "auto",
+                 network_attach: Callable[[str], Any] | None = None,
+                 network_dns: str | None = None) -> None:
         self._own_state = state_dir is None
         self._state_arg = state_dir
         self.state_dir: Path | None = None
         self._port = port
         self.token_id, self.token_secret = token_id, token_secret
         self.isolation = isolation
+        # Allow-listed sandboxes' upstream and resolver (_network.py).
+        self.network_attach, self.network_dns = network_attach, network_dns
         self.url = ""
         self.loop: asyncio.AbstractEventLoop | None = None
         self.rpc_counts: collections.Counter[str] = collections.Counter()
