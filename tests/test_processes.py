@@ -109,3 +109,21 @@ async def test_a_slot_without_python3_says_so_and_keeps_plain_background_jobs(ma
     r = await bash(backend, slot, "echo from-job", background=True)
     assert r.success, r.error
     assert "process" not in r.metadata and "job_" in r.metadata["background"]["log"]
+
+
+async def test_a_slow_starting_helper_has_half_the_calls_timeout(make_backend):
+    # The process's helper is a python3 the slot's shell starts. Under emulation or heavy
+    # load its start-up can pass a fixed 15 s (the host-matrix VM's main job failed four
+    # background jobs so); it has half the call's timeout, at least 15 s.
+    backend = await make_backend(slots_per_sandbox=1, max_sandboxes=1)
+    slot = await backend.acquire("slow-python")
+    slow = ("mkdir -p ~/slowbin && printf '#!/bin/sh\\nsleep 17\\nexec %s \"$@\"\\n' \"$(command -v python3)\" "
+            "> ~/slowbin/python3 && chmod +x ~/slowbin/python3 && export PATH=~/slowbin:$PATH")
+    assert (await bash(backend, slot, slow)).success
+    short = await bash(backend, slot, "echo too-soon", background=True, timeout=20)  # 15 s to connect
+    assert not short.success and "did not connect within 15s" in (short.error or ""), short
+    r = await bash(backend, slot, "echo started-late", background=True, timeout=60)  # 30 s
+    assert r.success, r.error
+    log = r.metadata["background"]["log"]
+    out = await eventually(lambda: bash(backend, slot, f"cat {log}"), lambda res: "started-late" in res.output)
+    assert "started-late" in out.output

@@ -143,12 +143,16 @@ class Calls:
         stdin_path = "/dev/null"
         if stdin is not None:
             stdin_path = slot.write_ctl("stdin", stdin.encode("utf-8", "surrogatepass"))
+        # The process's helper (a python3 the slot's shell starts) has half the call's
+        # timeout to connect, at least ptyprocs.CONNECT_S: under emulation or heavy load
+        # a Python start-up can take longer than a fixed wait, never longer than the call.
+        connect_s = max(ptyprocs.CONNECT_S, float(timeout) / 2)
         if args.get("pty") is not None:  # a process beside the shell (agent/shells/ptyprocs.py)
             def begin():
-                self.own(self._process(slot, command, env, args, done))
+                self.own(self._process(slot, command, env, args, done, connect_s))
         elif background:
             def begin():
-                self.own(self._background(slot, command, env, done))
+                self.own(self._background(slot, command, env, done, connect_s))
         else:
             text = command.encode("utf-8", "surrogatepass") + b"\n"
             watched = diskwatch.watched(self, slot)
@@ -273,22 +277,22 @@ class Calls:
                 self.send({"id": 0, "event": "queued", "target": msg.get("id")})
         self._schedule_notices()
 
-    async def _process(self, slot, command, env, args, done):
+    async def _process(self, slot, command, env, args, done, connect_s):
         try:
             result = await ptyprocs.start(self, slot, command, env, args.get("rows") or 24,
-                                          args.get("cols") or 80, bool(args["pty"]))
+                                          args.get("cols") or 80, bool(args["pty"]), connect_s=connect_s)
         except Exception as exc:
             result = protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
         done(result)
 
-    async def _background(self, slot, command, env, done):
+    async def _background(self, slot, command, env, done, connect_s):
         try:
-            result = await self.start_background(slot, command, env)
+            result = await self.start_background(slot, command, env, connect_s)
         except Exception as exc:
             result = protocol.call_result(error="%s: %s" % (type(exc).__name__, exc), returncode=1)
         done(result)
 
-    async def start_background(self, slot, command, env):
+    async def start_background(self, slot, command, env, connect_s=ptyprocs.CONNECT_S):
         """Start ``command`` detached (own session) with output to a log in the workspace:
         a process of the slot (:mod:`.ptyprocs`, on pipes, its output also in the log),
         or, in a slot without ``python3``, a job of its own."""
@@ -296,7 +300,7 @@ class Calls:
         job = slot.bg_counter
         ws = slot.ws_path if slot.root is not None else slot.workspace.path
         log = "%s/.background/job_%d.log" % (ws, job)
-        res = await ptyprocs.start(self, slot, command, env, 24, 80, False, log=log)
+        res = await ptyprocs.start(self, slot, command, env, 24, 80, False, log=log, connect_s=connect_s)
         if res is not None:
             info = res["data"].get("process")
             if info is not None:

@@ -202,11 +202,12 @@ def table(agent):
     return procs
 
 
-async def start(agent, slot, command, env, rows, cols, pty, log=None):
+async def start(agent, slot, command, env, rows, cols, pty, log=None, connect_s=CONNECT_S):
     """Start ``command`` as a process of ``slot``; return a ``call`` result (data
     ``{"process": {"id", "pid", "pty"}}``). ``log``: a path as the slot sees it to append
     the output to as well (a background job's); then, in a slot without ``python3``,
-    None: the caller starts the job its own way.
+    None: the caller starts the job its own way. ``connect_s``: seconds the helper has to
+    connect, and then to report the process started.
 
     The pids come from the kernel (:mod:`.owned`), never from what the slot's shell or
     the helper print: the helper is the connection's peer (``SO_PEERCRED``) and must be
@@ -245,10 +246,10 @@ async def start(agent, slot, command, env, rows, cols, pty, log=None):
                 error="could not start the process: %s" % (res["error"] or res["output"].strip()),
                 returncode=1)
         try:
-            conn, _ = await asyncio.wait_for(agent.loop.sock_accept(listener), CONNECT_S)
+            conn, _ = await asyncio.wait_for(agent.loop.sock_accept(listener), connect_s)
         except asyncio.TimeoutError:
             return protocol.call_result(error="the process's helper did not connect within %gs"
-                                        % CONNECT_S, returncode=1)
+                                        % connect_s, returncode=1)
     finally:
         listener.close()
         try:
@@ -263,7 +264,7 @@ async def start(agent, slot, command, env, rows, cols, pty, log=None):
                   "process of this slot" % (helper_pid,), returncode=1)
     conn.setblocking(False)
     proc = Proc(slot.index, None, command, pty, conn, agent.loop, caps(agent)[1])
-    deadline = agent.loop.time() + CONNECT_S
+    deadline = agent.loop.time() + connect_s
     while not proc.told and proc.running and agent.loop.time() < deadline:
         try:
             await asyncio.wait_for(asyncio.shield(proc.changed), deadline - agent.loop.time())
