@@ -155,28 +155,39 @@ async def test_websocket_round_trip(two: Any) -> None:
     writer.close()
 
 
-async def test_release_and_unexpose_revoke(two: Any) -> None:
-    backend, a, b = two
-    pa, pb = await backend.expose(a, 8000), await backend.expose(b, 8000)
-    # An open WebSocket-like connection (held: the slot's server waits for a frame).
-    host, port = pa.url.split("//")[1].rstrip("/").rsplit(":", 1)
+async def open_websocket(preview: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket through ``preview``, upgraded (the slot's server then waits for a frame)."""
+    host, port = preview.url.split("//")[1].rstrip("/").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write((f"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: "
                   f"{base64.b64encode(os.urandom(16)).decode()}\r\n"
-                  f"Authorization: Bearer {pa.token}\r\n\r\n").encode())
+                  f"Authorization: Bearer {preview.token}\r\n\r\n").encode())
     assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)).startswith(b"HTTP/1.1 101")
-    assert (await http(pb.url, headers=pb.headers))[0] == 200  # the control for B
-    await backend.release(a)
-    assert pa.revoked
-    assert await asyncio.wait_for(reader.read(), 20) == b""  # the open connection was closed
+    return reader, writer
+
+
+async def test_unexpose_release_and_stop_revoke(two: Any) -> None:
+    backend, a, b = two
+    pa, pb = await backend.expose(a, 8000), await backend.expose(b, 8000)
+    reader, writer = await open_websocket(pb)  # open while B's preview is revoked
+    assert (await http(pa.url, headers=pa.headers))[0] == 200  # the controls
+    assert (await http(pb.url, headers=pb.headers))[0] == 200
+    assert await backend.unexpose(b, 8000) == 1
+    assert pb.revoked and await asyncio.wait_for(reader.read(), 20) == b""  # closed, B still runs
     writer.close()
     with pytest.raises(OSError):
-        await http(pa.url, headers=pa.headers)  # the listener is gone
+        await http(pb.url, headers=pb.headers)  # the listener is gone
     with pytest.raises(UsageError):
-        pa.ticket_url()
-    assert await backend.unexpose(b, 8000) == 1
+        pb.ticket_url()
+    assert (await http(pa.url, headers=pa.headers))[0] == 200  # A's preview is untouched
+    await backend.release(a)
     with pytest.raises(OSError):
-        await http(pb.url, headers=pb.headers)
+        await http(pa.url, headers=pa.headers)
+    pc = await backend.expose(b, 8000)
+    assert (await http(pc.url, headers=pc.headers))[0] == 200
+    await backend.stop()
+    with pytest.raises(OSError):
+        await http(pc.url, headers=pc.headers)
 
 
 async def test_bad_arguments(two: Any) -> None:
