@@ -39,7 +39,7 @@ def serve(c):
         lines.append(line.decode().rstrip("\r\n"))
     hdr = {l.split(":", 1)[0].lower(): l.split(":", 1)[1].strip() for l in lines[1:]}
     log.write("auth %s\n" % hdr.get("authorization", "-"))
-    if hdr.get("upgrade", "").lower() == "websocket":
+    if hdr.get("upgrade", "").lower() == "websocket" and "upgrade" in hdr.get("connection", "").lower():
         acc = base64.b64encode(hashlib.sha1((hdr["sec-websocket-key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
         c.sendall(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                    "Sec-WebSocket-Accept: %s\r\n\r\n" % acc).encode())
@@ -175,18 +175,18 @@ async def test_unexpose_release_and_stop_revoke(two: Any) -> None:
     assert await backend.unexpose(b, 8000) == 1
     assert pb.revoked and await asyncio.wait_for(reader.read(), 20) == b""  # closed, B still runs
     writer.close()
-    with pytest.raises(OSError):
+    with pytest.raises(ConnectionRefusedError):
         await http(pb.url, headers=pb.headers)  # the listener is gone
     with pytest.raises(UsageError):
         pb.ticket_url()
     assert (await http(pa.url, headers=pa.headers))[0] == 200  # A's preview is untouched
     await backend.release(a)
-    with pytest.raises(OSError):
+    with pytest.raises(ConnectionRefusedError):
         await http(pa.url, headers=pa.headers)
     pc = await backend.expose(b, 8000)
     assert (await http(pc.url, headers=pc.headers))[0] == 200
     await backend.stop()
-    with pytest.raises(OSError):
+    with pytest.raises(ConnectionRefusedError):
         await http(pc.url, headers=pc.headers)
 
 
