@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import logging
 import secrets
 import time
 from collections import deque
@@ -54,6 +55,10 @@ CHUNK_BYTES = 64 * 1024
 #: Seconds the agent has to answer one tunnel request (a read is answered within 20 s).
 ASK_WAIT_S = 60.0
 _COOKIE_PREFIX = "hmt_preview_"
+#: What a client (or a slot) that goes away or speaks nonsense ends a connection with.
+_CLIENT_ERRORS = (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
+                  ConnectionError, ValueError, SandboxError)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,25 +86,34 @@ class Preview:
         """The header that authenticates a request: ``{"Authorization": "Bearer <token>"}``."""
         return {"Authorization": f"Bearer {self.token}"}
 
-    def ticket_url(self, path: str = "/") -> str:
-        """A URL with a new single-use ticket (valid :data:`TICKET_TTL_S` seconds), for a
-        browser: the first request trades it for a cookie and is redirected to ``path``.
+    def ticket(self) -> str:
+        """A new single-use ticket (valid :data:`TICKET_TTL_S` seconds), to send as the
+        query parameter :data:`TICKET_PARAM` (see :meth:`ticket_url`).
 
         Raises:
-            UsageError: the preview is revoked, or ``path`` does not start with ``/``.
+            UsageError: the preview is revoked.
         """
         if self.revoked:
             raise UsageError(f"the preview of port {self.port} of slot {self.slot_id} is revoked")
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise UsageError(f"ticket_url: path must start with '/', got {path!r:.80}")
         ticket = secrets.token_urlsafe(24)
         now = time.monotonic()
         for old, until in list(self._tickets.items()):
             if until < now:
                 del self._tickets[old]
         self._tickets[ticket] = now + TICKET_TTL_S
+        return ticket
+
+    def ticket_url(self, path: str = "/") -> str:
+        """A URL with a new single-use ticket, for a browser: the first request trades it
+        for a cookie (``HttpOnly``, ``SameSite=Lax``) and is redirected to ``path``.
+
+        Raises:
+            UsageError: the preview is revoked, or ``path`` does not start with ``/``.
+        """
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise UsageError(f"ticket_url: path must start with '/', got {path!r:.80}")
         sep = "&" if "?" in path else "?"
-        return self.url.rstrip("/") + path + sep + urlencode({TICKET_PARAM: ticket})
+        return self.url.rstrip("/") + path + sep + urlencode({TICKET_PARAM: self.ticket()})
 
 
 def check_host(host: Any, where: str = "expose(host=...)") -> str:
@@ -131,18 +145,26 @@ class _Exposure:
         self.tasks: set[asyncio.Task] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if self.preview.revoked or task is None:
+        """Serve one client connection. Its work runs in a task of its own, the one
+        :meth:`revoke` cancels (a cancelled connection handler would make asyncio log an
+        error on Python 3.11)."""
+        if self.preview.revoked:
             writer.close()
             return
-        self.tasks.add(task)
+        inner = asyncio.ensure_future(self._serve(reader, writer))
+        self.tasks.add(inner)
         try:
-            await self._serve(reader, writer)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
-                ConnectionError, ValueError):
-            pass
+            await asyncio.wait([inner])
         finally:
-            self.tasks.discard(task)
+            self.tasks.discard(inner)
+            if not inner.done():
+                inner.cancel()
+                await asyncio.gather(inner, return_exceptions=True)
+            elif not inner.cancelled():
+                exc = inner.exception()
+                if exc is not None and not isinstance(exc, _CLIENT_ERRORS):
+                    log.warning("preview of port %d of slot %s: %r", self.preview.port,
+                                self.preview.slot_id, exc)
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
