@@ -47,6 +47,12 @@ def serve(c):
         mask = f.read(4); data = bytearray(f.read(b1 & 127))
         for i in range(len(data)): data[i] ^= mask[i % 4]
         c.sendall(bytes([0x81, len(data) + 5]) + b"echo:" + bytes(data))
+    elif lines[0].split()[1].startswith("/big/"):  # /big/N: N MiB, then "sent" in the log
+        n = int(lines[0].split()[1][5:]) << 20
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % n)
+        block = bytes(range(256)) * 4096
+        for _ in range(n // len(block)): c.sendall(block)
+        log.write("sent\n")
     else:
         body = ("%s %s cookie=%s" % (name, lines[0].split()[1], hdr.get("cookie", "-"))).encode()
         c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
@@ -188,6 +194,26 @@ async def test_unexpose_release_and_stop_revoke(two: Any) -> None:
     await backend.stop()
     with pytest.raises(ConnectionRefusedError):
         await http(pc.url, headers=pc.headers)
+
+
+async def test_a_slow_client_holds_bytes_in_the_slot_not_the_agent(two: Any) -> None:
+    """A client that reads nothing: the slot's server stays blocked in ``sendall`` (the
+    bytes wait in its socket; the agent reads only what the host asks for), the other
+    slot's calls go on meanwhile; once read, every byte arrives, in order."""
+    backend, a, b = two
+    preview = await backend.expose(a, 8000)
+    host, port = preview.url.split("//")[1].rstrip("/").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET /big/64 HTTP/1.1\r\nAuthorization: Bearer {preview.token}\r\n\r\n".encode())
+    await asyncio.sleep(1.5)  # the client reads nothing
+    assert (await bash(backend, b, "echo other")).output.strip() == "other"
+    assert await seen(backend, a) == ["conn", "auth -"]  # no "sent": the server still waits
+    data = await asyncio.wait_for(reader.read(), 60)
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == 64 << 20
+    assert body == bytes(range(256)) * (len(body) // 256)
+    assert await seen(backend, a) == ["conn", "auth -", "sent"]  # the control
 
 
 async def test_bad_arguments(two: Any) -> None:
