@@ -12,6 +12,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import socket
 from typing import Any
 
 import pytest
@@ -214,6 +215,23 @@ async def test_a_slow_client_holds_bytes_in_the_slot_not_the_agent(two: Any) -> 
     assert head.startswith(b"HTTP/1.1 200") and len(body) == 64 << 20
     assert body == bytes(range(256)) * (len(body) // 256)
     assert await seen(backend, a) == ["conn", "auth -", "sent"]  # the control
+
+
+async def test_host_mode(make_backend: Any) -> None:
+    """``network: host``: the same path (the agent's socket is in the host's namespace,
+    which the slot shares); a port the test picked free on the host."""
+    backend = await make_backend(config=SandboxConfig(name="prevhost", **SMALL, network="host"))
+    slot = await backend.acquire("prev-host")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    await start_server(backend, slot, "H", port)
+    preview = await backend.expose(slot, port)
+    assert (await http(preview.url))[0] == 401
+    assert await seen(backend, slot) == []
+    status, _, body = await http(preview.url, headers=preview.headers)
+    assert (status, body) == (200, "H / cookie=-")
+    assert await seen(backend, slot) == ["conn", "auth -"]
 
 
 async def test_bad_arguments(two: Any) -> None:
