@@ -142,7 +142,7 @@ class _Exposure:
     def __init__(self, backend: BackendView, slot: Slot, preview: Preview) -> None:
         self.backend, self.slot, self.preview = backend, slot, preview
         self.server: asyncio.base_events.Server | None = None
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one client connection. Its work runs in a task of its own, the one
@@ -276,7 +276,7 @@ async def _ask(sb: Sandbox, message: dict[str, Any]) -> dict[str, Any]:
 
 async def _upstream(sb: Sandbox, tid: str, reader: asyncio.StreamReader, head: bytes) -> None:
     """The client's bytes into the tunnel, at most :data:`WINDOW` writes unanswered."""
-    inflight: deque[asyncio.Future] = deque()
+    inflight: deque[asyncio.Future[dict[str, Any]]] = deque()
     try:
         data = head
         while data:
@@ -296,7 +296,7 @@ async def _upstream(sb: Sandbox, tid: str, reader: asyncio.StreamReader, head: b
 async def _downstream(sb: Sandbox, tid: str, writer: asyncio.StreamWriter) -> None:
     """The slot's bytes to the client, at most :data:`WINDOW` reads asked ahead; each
     written (and drained: a slow client slows the slot's socket, nothing else) in order."""
-    inflight: deque[asyncio.Future] = deque()
+    inflight: deque[asyncio.Future[dict[str, Any]]] = deque()
     try:
         while True:
             while len(inflight) < WINDOW:

@@ -36,6 +36,10 @@ IDLE_S = 20.0
 MAX_TUNNELS = 256
 #: Bytes queued in a tunnel's transport before a ``write`` answer waits for them to drain.
 WRITE_HIGH = 256 * 1024
+#: Bytes of frames the agent may have queued for the host before a ``read`` answer waits
+#: (and seconds before it looks again), as for downloads (``files/streamout.py``).
+BULK_BACKLOG = 256 * 1024
+BULK_RETRY_S = 0.001
 
 _ids = itertools.count(1)
 
@@ -158,6 +162,7 @@ class Tunnel(asyncio.Protocol):
         self.paused_writing = False
         self.eof = False
         self.closed = False
+        self.retry = None  # the timer of a read held back (the stream's backlog)
 
     # -- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport):
@@ -167,8 +172,9 @@ class Tunnel(asyncio.Protocol):
 
     def data_received(self, data):
         self.buf += data
-        self._answer_reads()
-        if self.buf and not self.reads:
+        if self.retry is None:
+            self._answer_reads()
+        if self.buf and (not self.reads or self.retry is not None):
             self.transport.pause_reading()
 
     def eof_received(self):
@@ -219,7 +225,15 @@ class Tunnel(asyncio.Protocol):
                              "blob, end or close"})
 
     def _answer_reads(self):
+        if self.retry is not None:
+            self.retry.cancel()  # (harmless when it is the timer that calls)
+            self.retry = None
         while self.reads and (self.buf or self.eof):
+            if self.buf and _backlog(self.agent) >= BULK_BACKLOG:
+                # As a download does: a neighbour's result never waits behind more than
+                # BULK_BACKLOG of tunnel bytes on the shared stream.
+                self.retry = self.agent.loop.call_later(BULK_RETRY_S, self._answer_reads)
+                return
             mid, timer = self.reads.popleft()
             timer.cancel()
             if self.buf:
@@ -253,8 +267,13 @@ class Tunnel(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.abort()
         self.closed = self.eof = True
+        self.buf = bytearray()  # nothing more goes to the host
         self._answer_reads()
         self._answer_writes("tunnel %s was closed" % self.tid)
+
+
+def _backlog(agent):
+    return agent.out.get_write_buffer_size() + sum(len(frame) for frame in agent.outbox)
 
 
 def drop_slot(agent, index):
