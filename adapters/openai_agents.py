@@ -34,8 +34,15 @@ sandbox, local bubblewrap or Modal), so many agent sessions share few sandboxes.
   in the slot; without it ``exec_command`` falls back to one-shot ``exec`` for
   ``tty=false`` and reports the error for ``tty=true`` (see :mod:`._agents_pty`).
 
-Not supported (yet): running as another user (``user=``), exposed ports, and
-resuming a slot from another process (the slot map lives in this client).
+Exposed ports: ``SlotSandboxClientOptions(exposed_ports=(8000,))``; the SDK's
+``resolve_exposed_port(8000)`` starts a preview of the slot's port
+(:meth:`~hermes_modal_tool.backend.ToolBackend.expose`, one per port, revoked when the
+slot is released) and returns its host and port with a new single-use ticket as the
+endpoint's ``query``: ``endpoint.url_for("http")`` opens once in a browser (the ticket
+becomes a cookie); a client that cannot keep cookies resolves again for each URL.
+
+Not supported (yet): running as another user (``user=``), and resuming a slot from
+another process (the slot map lives in this client).
 
 Example::
 
@@ -61,6 +68,7 @@ from typing import Literal
 from agents.sandbox.errors import (
     ExecTimeoutError,
     ExecTransportError,
+    ExposedPortUnavailableError,
     InvalidManifestPathError,
     WorkspaceArchiveReadError,
     WorkspaceArchiveWriteError,
@@ -74,12 +82,13 @@ from agents.sandbox.session.sandbox_client import BaseSandboxClient, BaseSandbox
 from agents.sandbox.session.sandbox_session import SandboxSession
 from agents.sandbox.session.sandbox_session_state import SandboxSessionState
 from agents.sandbox.snapshot import SnapshotBase, SnapshotSpec, resolve_snapshot
-from agents.sandbox.types import ExecResult, User
+from agents.sandbox.types import ExecResult, ExposedPortEndpoint, User
 from agents.sandbox.util.tar_utils import UnsafeTarMemberError, validate_tar_bytes
 
 from hermes_modal_tool.backend import ToolBackend
 from hermes_modal_tool.capture import WHOLE_FILE_BYTES, run_captured
 from hermes_modal_tool.errors import HermesModalToolError, UsageError
+from hermes_modal_tool.previews import TICKET_PARAM, Preview
 from hermes_modal_tool.sessions import SlotSessions
 from hermes_modal_tool.slots import SlotState
 
@@ -102,12 +111,15 @@ class SlotSandboxClientOptions(BaseSandboxClientOptions):
         pty: offer PTY sessions (``supports_pty()``); False: ``exec_command`` runs
             one-shot in the slot's shell (no process start: about 20 ms less per
             command) and the model gets no ``write_stdin``.
+        exposed_ports: ports of the slot the SDK may resolve (``resolve_exposed_port``:
+            a preview, see the module docstring).
     """
 
     type: Literal["hermes-slot"] = "hermes-slot"
     profile: str | None = None
     timeout_s: float | None = None
     pty: bool = True
+    exposed_ports: tuple[int, ...] = ()
 
 
 class SlotSandboxSessionState(SandboxSessionState):
@@ -136,6 +148,22 @@ class SlotSandboxSession(PtyMethods, BaseSandboxSession):
         self._sessions = sessions
         self._pty: dict[int, PtyEntry] = {}  # the SDK's session id -> process
         self._pty_lock = asyncio.Lock()
+        self._previews: dict[int, Preview] = {}  # port -> its preview (revoked with the slot)
+
+    async def _resolve_exposed_port(self, port: int) -> ExposedPortEndpoint:
+        """A preview of ``port`` (made on first use, again after the slot was released):
+        its host and port, and a new single-use ticket as the query."""
+        try:
+            slot = await self._sessions.slot(self.state.slot_key, self.state.profile)
+            preview = self._previews.get(port)
+            if preview is None or preview.revoked:
+                preview = self._previews[port] = await self._sessions.backend.expose(slot, port)
+            host, _, bound = preview.url.split("//", 1)[1].rstrip("/").rpartition(":")
+            return ExposedPortEndpoint(host=host.strip("[]"), port=int(bound), tls=False,
+                                       query=f"{TICKET_PARAM}={preview.ticket()}")
+        except (HermesModalToolError, OSError) as exc:
+            raise ExposedPortUnavailableError(port=port, exposed_ports=self.state.exposed_ports,
+                                              reason="backend_unavailable", cause=exc) from exc
 
     async def _acquire(self) -> None:
         """Hold the state's slot (acquiring one when the key has none); root the
@@ -295,7 +323,7 @@ class SlotSandboxClient(BaseSandboxClient[SlotSandboxClientOptions]):
             session_id=session_id, manifest=manifest,
             snapshot=resolve_snapshot(snapshot, str(session_id)),
             slot_key=f"agents-{session_id.hex[:16]}", profile=options.profile, timeout_s=options.timeout_s,
-            pty=options.pty)
+            pty=options.pty, exposed_ports=options.exposed_ports)
         inner = SlotSandboxSession(state=state, sessions=self.sessions)
         await inner._acquire()
         return self._wrap_session(inner, instrumentation=self._instrumentation)

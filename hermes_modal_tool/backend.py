@@ -34,6 +34,7 @@ from .drivers.base import Driver
 from .errors import BackendClosedError, ConfigError, ConfigWarning, UsageError
 from .filetransfer import TransferMethods
 from .pool import SandboxPool
+from .previews import PreviewMethods
 from .processes import ProcessMethods
 from .shared_setup import SharedSetups
 from .slots import ExecutionResult, OutputEvent, Slot, execution_id
@@ -41,7 +42,8 @@ from .snapshots import SlotSnapshot, Snapshots
 from .usage import Usage
 
 
-class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods, TransferMethods):
+class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods, TransferMethods,
+                  PreviewMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
     Resembles the original Atropos ``ModalToolBackend``: construct with one config,
@@ -198,6 +200,7 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
             return
         self._check_open()  # on the backend's own loop
         self._closed = True
+        await self._unexpose_all()  # previews: listeners and their connections close
         await self._setups.close()
         await self._snapshots.close()
         await asyncio.gather(*(p.stop() for p in self._pools.values()), return_exceptions=True)
@@ -335,6 +338,7 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
+        await self._unexpose_all(slot)  # its previews are revoked before its reset
         with tracing.span("release", {"slot_id": slot.slot_id, "trajectory_id": slot.trajectory_id,
                                       "reset_workspace": reset_workspace}) as span:
             used = await pool.release(slot, reset_workspace=reset_workspace, measure_disk=measure_disk)

@@ -59,6 +59,12 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               or a directory as a tar), result ``{"stream", "kind"}``; then ``{"stream"}``
               per chunk, answered by a binary frame (``eof``, and at the end ``size``,
               ``sha256``, ``files``, ``skipped``), or ``{"stream", "abort": true}``.
+``tunnel``    ``{"slot": int, "port": int}``: a TCP connection to ``127.0.0.1:port`` made by the
+              agent in the slot's network namespace (``agent/net/tunnels.py``; previews),
+              result ``{"tunnel"}``; then ``{"tunnel", "blob"}`` (binary frames, answered once
+              the socket has room), ``{"tunnel", "read": true}`` (answered by a binary frame
+              of at most 64 KiB, ``eof``; empty with ``idle`` after 20 s without data),
+              ``{"tunnel", "end": true}`` (half-close) or ``{"tunnel", "close": true}``.
 ``ack``       ``{"bytes": int}`` with id 0: the host received that much streamed output
               (see ``output`` below); no answer.
 
@@ -90,7 +96,7 @@ _JSON_LEN = struct.Struct(">I")
 
 OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
        "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack", "process", "usage",
-       "checksum", "upload", "download")
+       "checksum", "upload", "download", "tunnel")
 
 #: Tools the agent knows, in the order error messages list them.
 TOOLS = (

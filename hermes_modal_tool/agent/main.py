@@ -27,6 +27,7 @@ from .limits import admission, quiet
 from .limits.diskwatch import DiskWatch
 from .limits.usage import dispatch as dispatch_usage
 from .limits.usage import new_tenant
+from .net import tunnels
 from .setup import Setup
 from .shells import ptyprocs, spawner, streaming
 from .shells.shell import SPAWN_THREADS
@@ -143,6 +144,8 @@ class Agent(Setup, Calls, DiskWatch):
             dispatch_checksum(self, msg)  # a file's SHA-256, in a worker thread (agent/files/filesums.py)
         elif op in ("upload", "download"):
             file_streams.dispatch(self, msg)  # streamed transfer, a thread each (agent/files/streams.py)
+        elif op == "tunnel":
+            tunnels.dispatch(self, msg)  # a TCP connection into a slot (agent/net/tunnels.py)
         elif op == "usage":
             dispatch_usage(self, msg)  # the slot's tenant's CPU, memory, disk (agent/limits/usage.py)
         elif op == "ack":
@@ -208,6 +211,7 @@ class Agent(Setup, Calls, DiskWatch):
         slot.set_busy(mid)
         ptyprocs.forget(self, slot.index)  # the reset kills them
         file_streams.drop_slot(self, slot.index)  # its transfers stop writing the old layer
+        tunnels.drop_slot(self, slot.index)  # connections into the old tenant's ports close
         had_shell = slot.shell.used
         answered = []
 
@@ -359,6 +363,7 @@ class Agent(Setup, Calls, DiskWatch):
             return
         self.closing = True
         file_streams.drop_all(self)
+        tunnels.drop_all(self)
         for slot in self.slots.values():
             if slot.pending is not None:
                 self._finish_pending(slot, STOPPED_BEFORE)

@@ -28,6 +28,7 @@ from agents.models.openai_responses import OpenAIResponsesModel
 from agents.sandbox import SandboxAgent, SandboxRunConfig
 from agents.sandbox.errors import (
     ExecTimeoutError,
+    ExposedPortUnavailableError,
     InvalidManifestPathError,
     WorkspaceReadNotFoundError,
 )
@@ -125,6 +126,47 @@ async def test_session_api_exec_files_timeout_and_paths(make_backend: Any) -> No
     assert not await session.running()
     await client.delete(session)
     assert len(client.sessions) == 0
+
+
+async def test_exposed_port_is_a_preview(make_backend: Any) -> None:
+    """``resolve_exposed_port`` gives the preview's endpoint with a single-use ticket:
+    the URL opens once (a cookie, then the slot's server answers), a port not configured
+    is refused, and the preview goes with the slot."""
+    backend = await make_backend(max_sandboxes=1, network="none")  # the port only in the slot
+    client = SlotSandboxClient(backend)
+    session = await client.create(options=SlotSandboxClientOptions(exposed_ports=(8000,)))
+    async with session:
+        await session.exec("echo hello-preview > index.html; "
+                           "nohup python3 -u -m http.server 8000 --bind 127.0.0.1 > srv.log 2>&1 &")
+        for _ in range(100):
+            if (await session.exec("grep -c Serving srv.log")).exit_code == 0:
+                break
+            await asyncio.sleep(0.1)
+        endpoint = await session.resolve_exposed_port(8000)
+        url = endpoint.url_for("http")
+        assert endpoint.host == "127.0.0.1" and "hmt_ticket=" in endpoint.query, url
+        status, headers, _ = await _get(endpoint.host, endpoint.port, "/?" + endpoint.query)
+        assert status == 303, headers
+        cookie = headers["set-cookie"].split(";")[0]
+        assert (await _get(endpoint.host, endpoint.port, "/?" + endpoint.query))[0] == 403  # spent
+        status, _, body = await _get(endpoint.host, endpoint.port, "/index.html", cookie)
+        assert (status, body) == (200, "hello-preview\n")
+        with pytest.raises(ExposedPortUnavailableError):
+            await session.resolve_exposed_port(9000)  # not in exposed_ports
+    await client.delete(session)
+    with pytest.raises(ConnectionRefusedError):
+        await _get(endpoint.host, endpoint.port, "/index.html", cookie)  # revoked with the slot
+
+
+async def _get(host: str, port: int, path: str, cookie: str | None = None) -> tuple[int, dict[str, str], str]:
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write((f"GET {path} HTTP/1.1\r\nHost: {host}\r\n" + (f"Cookie: {cookie}\r\n" if cookie else "")
+                  + "\r\n").encode())
+    data = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    first, *rest = head.decode("latin-1").split("\r\n")
+    return int(first.split()[1]), {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in rest)}, body.decode()
 
 
 async def test_persist_hydrate_and_resume(make_backend: Any, tmp_path: Path) -> None:
