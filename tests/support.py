@@ -203,18 +203,23 @@ async def bash(backend: ToolBackend, slot: Slot, command: str, **args: Any) -> E
 
 
 async def slot_host_uid(backend: ToolBackend, slot: Slot) -> int:
-    """The host uid ``slot``'s processes run as, read on the host: the real uid in
-    ``/proc/<pid>/status`` of a process the slot starts (``sleep``, named by a token in
-    its ``argv[0]``), never what the slot says of itself (its ``/proc/self/uid_map`` maps
-    to its parent user namespace, which need not be the host's: the agent may itself run
-    in a user namespace)."""
+    """The host uid ``slot``'s processes run as, read on the host (:func:`slot_host_process`)."""
+    return (await slot_host_process(backend, slot))[0]
+
+
+async def slot_host_process(backend: ToolBackend, slot: Slot) -> tuple[int, int]:
+    """``(uid, pid namespace inode)`` of ``slot``'s processes, read on the host: the real uid
+    in ``/proc/<pid>/status`` and the ``/proc/<pid>/ns/pid`` of a process the slot starts
+    (``sleep``, named by a token in its ``argv[0]``), never what the slot says of itself (its
+    ``/proc/self/uid_map`` maps to its parent user namespace, which need not be the host's:
+    the agent may itself run in a user namespace)."""
     token = f"hmt-uid-{uuid.uuid4().hex[:12]}".encode()
     run = asyncio.ensure_future(bash(backend, slot, f"(exec -a {token.decode()} sleep 3)"))
     try:
         for _ in range(400):
-            found = [p.uid for p in processes().values() if p.cmdline.startswith(token + b"\0")]
+            found = [p for p in processes().values() if p.cmdline.startswith(token + b"\0")]
             if found:
-                return found[0]
+                return found[0].uid, os.stat(f"/proc/{found[0].pid}/ns/pid").st_ino
             if run.done():
                 break
             await asyncio.sleep(0.01)

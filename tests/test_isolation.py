@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 
 import pytest
-from support import bash, layered, slot_host_uid
+from support import bash, layered, slot_host_process
 
 from hermes_modal_tool import ExecutionResult
 
@@ -115,10 +115,16 @@ async def test_slots_run_as_different_users(backend, two_slots):
     a, b = two_slots
     # Root inside each slot, mapped to a different unprivileged uid outside (as the host
     # sees the slots' processes: their /proc/self/uid_map names the parent namespace's).
-    # Without a layered root (workspace-only) a slot is its host uid inside too.
+    # Without a layered root (workspace-only) a slot is its host uid inside too. A normal
+    # user's agent has one uid to give (README, "What they need"): there every slot runs
+    # as that user, each in a pid namespace of its own.
     ra, rb = await backend.execute_batch([(a, "bash", {"command": "id -u"}),
                                           (b, "bash", {"command": "id -u"})])
-    uida, uidb = await slot_host_uid(backend, a), await slot_host_uid(backend, b)
+    (uida, nsa), (uidb, nsb) = await slot_host_process(backend, a), await slot_host_process(backend, b)
+    assert nsa != nsb
+    if os.geteuid() != 0:
+        assert uida == uidb == os.geteuid() and (ra.output, rb.output) == (f"{uida}\n", f"{uidb}\n")
+        return
     assert uida != uidb and 0 not in (uida, uidb)
     if layered(backend):
         assert ra.output == rb.output == "0\n"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
-from support import bash, processes, slot_host_uid
+from support import bash, processes, slot_host_process
 
 from hermes_modal_tool import ExecutionResult
 
@@ -98,12 +99,40 @@ def agent_view(mount_point: Path) -> Path:
     raise AssertionError(f"{mount_point} is mounted in no agent's mount namespace")
 
 
-async def slot_uid(backend, slot) -> int:
-    """The host uid a slot's processes run as (with a layered root the slot is root inside,
-    mapped to this uid outside), as the host sees it (:func:`support.slot_host_uid`)."""
-    uid = await slot_host_uid(backend, slot)
-    assert uid >= 200000 or os.geteuid() != 0
-    return uid
+@dataclass(frozen=True)
+class SlotOwner:
+    """How the host tells a slot's processes apart. An agent run as root gives each slot
+    a uid of its own (``uid``, ``pidns`` None): every process of that uid, whatever
+    namespace it is in. A normal user's agent runs every slot as that user: there, the
+    slot's pid namespace (``pidns``, an inode), which is the lease's own (a reset starts
+    the next tenant's shell in a new one)."""
+
+    uid: int
+    pidns: int | None
+
+    def pids(self) -> list[int]:
+        """The live host processes of the slot."""
+        if self.pidns is None:
+            return pids_of_uid(self.uid)
+        return [p.pid for p in processes().values() if p.uid == self.uid and _pidns(p.pid) == self.pidns]
+
+
+def _pidns(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+async def slot_owner(backend, slot) -> SlotOwner:
+    """The slot's :class:`SlotOwner`, as the host sees it (:func:`support.slot_host_process`):
+    its own uid when it has one (with a layered root the slot is root inside, mapped to
+    that uid outside), else the user's uid and the slot's pid namespace."""
+    uid, pidns = await slot_host_process(backend, slot)
+    if os.geteuid() == 0:
+        assert uid >= 200000, uid
+        return SlotOwner(uid, None)
+    return SlotOwner(uid, pidns)
 
 
 def pids_of_uid(uid: int) -> list[int]:
@@ -116,11 +145,11 @@ async def victim_state(backend, slot) -> list[str]:
     return r.output.split()
 
 
-def fresh_shell_only(uid: int) -> bool:
-    """True when all that runs as ``uid`` is a new idle shell (a reset pre-starts one)."""
+def fresh_shell_only(owner: SlotOwner) -> bool:
+    """True when all that runs of the slot is a new idle shell (a reset pre-starts one)."""
     procs = processes()
     return all(procs[p].comm == "bwrap" or procs[p].cmdline == b"bash\x00--noprofile\x00--norc\x00"
-               for p in pids_of_uid(uid) if p in procs)
+               for p in owner.pids() if p in procs)
 
 
 def none_alive(pids) -> bool:

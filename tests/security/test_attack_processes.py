@@ -9,7 +9,7 @@ import os
 
 from support import agent_processes, bash, processes, settle
 
-from .helpers import call, fresh_shell_only, none_alive, pids_of_uid, slot_uid
+from .helpers import call, fresh_shell_only, none_alive, slot_owner
 
 PTRACE = r"""
 import ctypes, sys
@@ -24,9 +24,9 @@ async def test_cannot_see_signal_or_trace_other_slots_or_the_agent(backend, two_
     a, b = two_slots
     r = await bash(backend, a, "sleep 300", background=True)
     assert r.success
-    uid_a = await slot_uid(backend, a)
+    owner_a = await slot_owner(backend, a)
     victims = await settle(lambda: [p.pid for p in processes().values()
-                                    if p.uid == uid_a and p.comm == "sleep"])
+                                    if p.pid in owner_a.pids() and p.comm == "sleep"])
     agents = list(agent_processes())
     assert victims and agents
     host_pids = " ".join(map(str, victims + agents + [os.getpid()]))
@@ -71,7 +71,7 @@ async def test_escapes_do_not_survive_a_timeout_or_release(backend, two_slots):
     a ``background=True`` job survives the timeout by design; after ``release()``
     nothing of the slot is left on the host."""
     a, b = two_slots
-    uid = await slot_uid(backend, b)
+    owner = await slot_owner(backend, b)
     bg = await bash(backend, b, "sleep 1000", background=True)
     assert bg.success
     r = await bash(backend, b, ESCAPES + "sleep 100", timeout=1.5)
@@ -79,7 +79,7 @@ async def test_escapes_do_not_survive_a_timeout_or_release(backend, two_slots):
 
     def escaped() -> list:
         procs = processes()
-        return [procs[p] for p in pids_of_uid(uid) if p in procs and procs[p].comm != "bwrap"
+        return [procs[p] for p in owner.pids() if p in procs and procs[p].comm != "bwrap"
                 and procs[p].cmdline not in (b"sleep\x001000\x00", b"bash\x00--noprofile\x00--norc\x00")
                 and b"bg_1.sh" not in procs[p].cmdline
                 # the background job as a process of the slot: its helper and its script
@@ -95,13 +95,13 @@ async def test_escapes_do_not_survive_a_timeout_or_release(backend, two_slots):
     # Now the escapes again, in a command that ends normally (they outlive it) ...
     r = await bash(backend, b, ESCAPES + "echo started")
     assert r.output.endswith("started\n")
-    before = pids_of_uid(uid)
+    before = owner.pids()
     assert len(before) >= 5
     await backend.release(b, reset_workspace=True)
     # ... and release leaves nothing of the slot running on the host (a reset may
     # pre-start a fresh idle shell for the next holder).
     assert await settle(lambda: none_alive(before)), [processes().get(p) for p in before]
-    assert await settle(lambda: fresh_shell_only(uid)), [processes().get(p) for p in pids_of_uid(uid)]
+    assert await settle(lambda: fresh_shell_only(owner)), [processes().get(p) for p in owner.pids()]
     assert (await bash(backend, a, "echo still-fine")).output == "still-fine\n"
 
 

@@ -17,7 +17,7 @@ import pytest
 from support import bash, layered, processes, settle
 
 from .conftest import MODES
-from .helpers import fresh_shell_only, host_can_fork, none_alive, pids_of_uid, slot_uid
+from .helpers import fresh_shell_only, host_can_fork, none_alive, pids_of_uid, slot_owner
 
 PIDS = 32
 
@@ -26,20 +26,20 @@ async def test_fork_bomb_hits_the_pids_limit(make_backend):
     backend = await make_backend(pids_limit=PIDS, slot_memory=256)
     bomb = await backend.acquire("bomb")
     other = await backend.acquire("other")
-    uid = await slot_uid(backend, bomb)
+    owner = await slot_owner(backend, bomb)
     r = await bash(backend, bomb, "bomb() { bomb | bomb & }; bomb; sleep 2; "
                                   "for i in $(seq 64); do sleep 30 & done; exit 1", timeout=4)
     assert r.metadata.get("limits_hit") == ["pids"], (r.error, r.metadata)
     assert "pids_limit" in r.error and "process limit" in r.error
-    assert len(pids_of_uid(uid)) <= PIDS + 2  # its init and bwrap are counted too
+    assert len(owner.pids()) <= PIDS + 2  # its init and bwrap are counted too
     # The other slot and the host still fork.
     r = await bash(backend, other, "for i in 1 2 3; do /bin/true & done; wait; echo ok")
     assert r.output == "ok\n"
     assert host_can_fork()
-    before = pids_of_uid(uid)
+    before = owner.pids()
     await backend.release(bomb, reset_workspace=True)
     assert await settle(lambda: none_alive(before))
-    assert await settle(lambda: fresh_shell_only(uid)), [processes().get(p) for p in pids_of_uid(uid)]
+    assert await settle(lambda: fresh_shell_only(owner)), [processes().get(p) for p in owner.pids()]
     again = await backend.acquire("after")
     assert (await bash(backend, again, "echo fresh")).output == "fresh\n"
 
@@ -147,7 +147,7 @@ async def test_command_that_never_reads_stdin_or_waits_for_input(backend, slot):
 
 async def test_busy_loops_stop_at_the_timeout(backend, two_slots):
     a, b = two_slots
-    uid = await slot_uid(backend, b)
+    owner = await slot_owner(backend, b)
     for cmd in ("while :; do :; done", "python3 -c 'while True: pass'",
                 "trap '' TERM INT; python3 -c 'import signal\nsignal.signal(15, signal.SIG_IGN)\nwhile 1: pass'",
                 "sh -c 'while :; do :; done' & sh -c 'while :; do :; done'"):
@@ -159,7 +159,7 @@ async def test_busy_loops_stop_at_the_timeout(backend, two_slots):
 
         def spinning() -> list:
             procs = processes()
-            return [procs[p].comm for p in pids_of_uid(uid)
+            return [procs[p].comm for p in owner.pids()
                     if p in procs and procs[p].comm in ("python3", "sh")]
 
         assert await settle(lambda: not spinning()), spinning()
