@@ -31,7 +31,7 @@ LAYERS = [
     ("drivers", [P + "drivers", P + "images"]),
     ("config and shared types", [P + m for m in (
         "config", "profiles", "volumes", "gpus", "secrets", "slots", "usage", "tools", "portal", "loops",
-        "tracing", "_version", "modal_network")]),
+        "tracing", "_version", "modal_network", "network_config")]),
     ("agent", [P + "agent"]),
     ("protocol/errors", [P + m for m in ("protocol", "deadlines", "errors")]),
 ]
