@@ -21,11 +21,12 @@ import asyncio
 import os
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import streaming, tracing
 from ._artifact_api import ArtifactMethods
+from ._call_api import CallMethods
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -42,7 +43,7 @@ from .snapshots import SlotSnapshot, Snapshots
 from .usage import Usage
 
 
-class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods, TransferMethods,
+class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethods, TransferMethods,
                   PreviewMethods):
     """Pools of sandboxes per profile, slots leased to trajectories, batched tool calls.
 
@@ -472,29 +473,6 @@ class ToolBackend(SnapshotMethods, ArtifactMethods, ProcessMethods, StatusMethod
                 if traced:
                     tracing.end_call_span(*spans[i], results[i])
         return results  # type: ignore[return-value]
-
-    async def execute(self, slot: Slot, tool: str, args: Mapping[str, Any], timeout_s: float | None = None,
-                      on_output: Callable[[OutputEvent], Any] | None = None) -> ExecutionResult:
-        """One tool call (``execute_batch`` of one)."""
-        return (await self.execute_batch([(slot, tool, args)], timeout_s, on_output))[0]
-
-    def execute_stream(self, slot: Slot, tool: str, args: Mapping[str, Any],
-                       timeout_s: float | None = None) -> AsyncIterator[OutputEvent | ExecutionResult]:
-        """One tool call whose output comes as it is written: an async iterator of
-        :class:`OutputEvent` (stdout and stderr chunks, in order), then the
-        :class:`ExecutionResult` (arguments as :meth:`execute`). Closing it early
-        (``aclose()``; ``contextlib.aclosing`` to ``break``) cancels the call, killing
-        its processes. Raises as :meth:`execute_batch` when iterated.
-
-        Example:
-            >>> async def tail(backend, slot):
-            ...     async for item in backend.execute_stream(slot, "bash", {"command": "make"}):
-            ...         if isinstance(item, OutputEvent):
-            ...             print(item.data, end="")
-            ...     return item  # the ExecutionResult
-        """
-        return streaming.stream_one(
-            lambda on_output: self.execute_batch([(slot, tool, args)], timeout_s, on_output))
 
 
 class ModalToolBackend(ToolBackend):
