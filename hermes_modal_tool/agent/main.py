@@ -19,10 +19,11 @@ import sys
 
 from .. import protocol
 from ..deadlines import Deadlines
-from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Batch, Calls
+from .calls import BATCH_KEY, FILE_THREADS, HOLD_S, STOPPED_BEFORE, Calls
 from .files import streams as file_streams
 from .files.filesums import dispatch as dispatch_checksum
 from .fs import mounts, rootfs, trees
+from .inbound import InProtocol
 from .limits import admission, quiet
 from .limits.diskwatch import DiskWatch
 from .limits.usage import dispatch as dispatch_usage
@@ -436,35 +437,6 @@ def _remove_trees(paths):
         trees.remove_tree(path)
 
 
-class _InProtocol(asyncio.Protocol):
-    def __init__(self, agent):
-        self.agent = agent
-        self.decoder = protocol.FrameDecoder()
-
-    def data_received(self, data):
-        try:
-            messages = self.decoder.feed(data)
-        except protocol.ProtocolError as exc:
-            sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
-            self.agent.own(self.agent.shutdown())
-            return
-        if self.agent.heartbeat is not None:
-            self.agent.heartbeat.heard = True
-        calls = [msg for msg in messages if msg.get("op") == "call"]
-        if len(calls) > 1:
-            batch = Batch(len(calls))
-            for msg in calls:
-                msg[BATCH_KEY] = batch
-        for msg in messages:
-            self.agent.on_message(msg)
-
-    def eof_received(self):
-        self.agent.own(self.agent.shutdown())
-
-    def connection_lost(self, exc):
-        self.agent.own(self.agent.shutdown())
-
-
 async def _amain(in_fd, out_fd, spawner_handle):
     loop = asyncio.get_event_loop()
     out_transport, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(out_fd, "wb", 0))
@@ -472,7 +444,7 @@ async def _amain(in_fd, out_fd, spawner_handle):
     agent.spawner = spawner_handle
     if spawner_handle is not None:
         mounts.use_userns_maker(spawner_handle.userns)
-    await loop.connect_read_pipe(lambda: _InProtocol(agent), os.fdopen(in_fd, "rb", 0))
+    await loop.connect_read_pipe(lambda: InProtocol(agent), os.fdopen(in_fd, "rb", 0))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, lambda: agent.own(agent.shutdown()))
     await agent.done

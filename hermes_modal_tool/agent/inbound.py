@@ -1,0 +1,42 @@
+"""The agent's side of the host's stream: frames in, messages to the agent (a call batch
+marked as one), and shutdown when the stream ends or breaks.
+
+Stdlib-only, Python 3.8.
+"""
+
+import asyncio
+import sys
+
+from .. import protocol
+from .calls import BATCH_KEY, Batch
+
+
+class InProtocol(asyncio.Protocol):
+    """Reads the host's frames (``protocol.FrameDecoder``); a bad frame ends the agent."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.decoder = protocol.FrameDecoder()
+
+    def data_received(self, data):
+        try:
+            messages = self.decoder.feed(data)
+        except protocol.ProtocolError as exc:
+            sys.stderr.write("hermes-modal-tool agent: %s\n" % exc)
+            self.agent.own(self.agent.shutdown())
+            return
+        if self.agent.heartbeat is not None:
+            self.agent.heartbeat.heard = True
+        calls = [msg for msg in messages if msg.get("op") == "call"]
+        if len(calls) > 1:
+            batch = Batch(len(calls))
+            for msg in calls:
+                msg[BATCH_KEY] = batch
+        for msg in messages:
+            self.agent.on_message(msg)
+
+    def eof_received(self):
+        self.agent.own(self.agent.shutdown())
+
+    def connection_lost(self, exc):
+        self.agent.own(self.agent.shutdown())
