@@ -107,6 +107,7 @@ for r in bad[:8]:
   {run} {py} -m pytest -q -p no:cacheprovider -o timeout={test_s} {tests} > /tmp/tests.log 2>&1
   echo "HOSTS-TESTS-RC $? $(( $(date +%s) - start ))s"
   tail -n 25 /tmp/tests.log
+  cp /tmp/tests.log /hmt-out/tests.log 2>/dev/null  # kept whole under --logs DIR/CELL
 fi
 echo "HOSTS-LEFT $(find /sys/fs/cgroup -name 'hermes-modal-tool*' | head -n 3)"
 """
