@@ -143,15 +143,19 @@ def bwrap() -> str:
 
 def confined(work: Path, sandboxes: bool) -> str:
     """The command prefix that runs a subset in a throwaway mount namespace: ``/`` bound
-    read-only, a private tmpfs on /tmp (where the tests make their trees and the local
-    driver its sandboxes' state), only ``work`` (the mutant's copy) writable; ended with
+    read-only, a private /tmp (``work/.tmp``, empty at the start of a phase: where the
+    tests make their trees and the local driver its sandboxes' state; not a tmpfs, which
+    bwrap mounts ``nodev``: a test opens a device node it made), only ``work`` (the
+    mutant's copy, with that /tmp) writable; ended with
     this script. A mutant that removes or writes the wrong path fails there (EROFS)
     instead of changing this host. In-process subsets get a new PID namespace and /proc
     too. A subset that starts sandboxes (``sandboxes``) also needs the host's /dev,
     /proc (bwrap inside refuses to mount a proc where the host's is not fully visible)
     and cgroup tree (its slots' limits), kept writable, the capabilities bwrap drops
     for root by default, and a private /home (the security tests hide canaries there)."""
-    common = f"{bwrap()} --ro-bind / / --tmpfs /tmp --bind {work} {work} --die-with-parent --chdir {work} "
+    # /tmp first: ``work`` may be below the host's /tmp (bound again, over the private one).
+    common = (f"{bwrap()} --ro-bind / / --bind {work}/.tmp /tmp --bind {work} {work} "
+              f"--die-with-parent --chdir {work} ")
     if sandboxes:
         return common + ("--tmpfs /home --dev-bind /dev /dev --dev-bind /proc /proc "
                          "--bind /sys/fs/cgroup /sys/fs/cgroup --cap-add ALL -- ")
@@ -196,6 +200,7 @@ def run(target: str, phase: str, args: argparse.Namespace) -> dict:
     spec = TARGETS[target]
     work = Path(args.work) / f"{target}-{phase}"
     copy_tree(work, args.base if phase == "before" else None)
+    (work / ".tmp").mkdir()  # the confined subset's /tmp
     tests = spec.before if phase == "before" else spec.after
     light = spec.light_after and phase == "after"
     command = ((confined(work, sandboxes=not light) if spec.confined else "")

@@ -101,8 +101,10 @@ def good_members(outside: Path) -> list:
             pax_headers=xattr("user.note", b"n")),
         entry("L0/m0/ro/hard", tarfile.LNKTYPE, linkname="L0/m0/ro/file.txt"),
         entry("L0/m0/link", tarfile.SYMTYPE, linkname=str(outside / "canary"), uid=11, gid=12),
+        entry("L0/m0/etc/sub", tarfile.DIRTYPE, mode=0o700, uid=15, gid=16),
+        entry("L0/m0/new/hard", tarfile.LNKTYPE, linkname="L0/m0/ro/file.txt"),  # new/ not listed
         reg("L0/m1/data.bin", b"12345"),
-        reg("L1/m0/lower.txt", b"lower\n"),
+        reg("L1/m0/deep/er/lower.txt", b"lower\n"),  # its directories not listed: made
     ]
 
 
@@ -121,14 +123,17 @@ def test_a_well_formed_stream_is_unpacked_with_its_owners_modes_times_and_record
     assert (top / "ro" / "file.txt").read_bytes() == b"hello\n"
     assert (stat.S_IMODE(f.st_mode), f.st_uid, f.st_gid, f.st_mtime) == (0o640, 9, 10, 3_000_000)
     assert os.getxattr(top / "ro" / "file.txt", "user.note") == b"n"
-    assert os.lstat(top / "ro" / "hard").st_ino == f.st_ino and f.st_nlink == 2
+    assert os.lstat(top / "ro" / "hard").st_ino == f.st_ino == os.lstat(top / "new" / "hard").st_ino
+    assert f.st_nlink == 3
+    sub = os.lstat(top / "etc" / "sub")
+    assert (stat.S_IMODE(sub.st_mode), sub.st_uid, sub.st_gid) == (0o700, 15, 16)
     wh = os.lstat(top / "etc" / "gone")
     assert stat.S_ISCHR(wh.st_mode) and wh.st_rdev == os.makedev(0, 0)
     link = os.lstat(top / "link")
     assert stat.S_ISLNK(link.st_mode) and os.readlink(top / "link") == str(outside / "canary")
     assert (link.st_uid, link.st_gid) == (11, 12)
     assert (base / "L0" / "layers" / "1" / "upper" / "data.bin").read_bytes() == b"12345"
-    assert (base / "L1" / "upper" / "lower.txt").read_bytes() == b"lower\n"
+    assert (base / "L1" / "upper" / "deep" / "er" / "lower.txt").read_bytes() == b"lower\n"
     # Every layer has every mount's upper directory, if empty.
     for k in range(3):
         assert (base / f"L{k}" / "upper").is_dir() and (base / f"L{k}" / "layers" / "1" / "upper").is_dir()
@@ -167,6 +172,7 @@ HOSTILE = {
     "layer not a number": reg("Lx/m0/evil"),
     "mount not a number": reg("L0/mx/evil"),
     "layer past the count": reg("L2/m0/evil"),
+    "layer far past the count": reg("L3/m0/evil"),
     "negative layer": reg("L-1/m0/evil"),
     "mount past the roots": reg("L0/m2/evil"),
     "negative mount": reg("L0/m-1/evil"),
@@ -180,9 +186,11 @@ HOSTILE = {
     "hard link out": entry("L0/m0/evil", tarfile.LNKTYPE, linkname="/etc/passwd"),
     "hard link to a layer root": entry("L0/m0/evil", tarfile.LNKTYPE, linkname="L0/m0"),
     "layer root not a directory": reg("L0/m1"),
+    "unknown type": entry("L0/m0/evil", b"Z"),
 }
 MESSAGES = {
-    "layer past the count": "outside the snapshot's layers", "negative layer": "outside the snapshot's layers",
+    "layer past the count": "outside the snapshot's layers", "layer far past the count": "outside the snapshot's layers",
+    "unknown type": "of an unknown type", "negative layer": "outside the snapshot's layers",
     "mount past the roots": "outside the snapshot's layers", "negative mount": "outside the snapshot's layers",
     "below its symlink": "below a symbolic link", "below its symlink, deeper": "below a symbolic link",
     "char device": "is not a whiteout", "char device 0/1": "is not a whiteout",
@@ -218,6 +226,23 @@ def test_each_hostile_member_is_refused_naming_it(dirs, case) -> None:
     assert "evil" not in {p.name for p in base.rglob("*")}
     canary_intact(outside)
     assert not (outside.parent / "evil").exists()
+
+
+def test_nothing_is_written_through_a_hard_link_to_a_symlink(dirs) -> None:
+    """A hard link to a symlink member is a symlink of another name (not in the importer's
+    list of symlinks): a member below it is refused all the same (the layer's tree
+    follows no symlink), not written where the link points."""
+    base, outside = dirs
+    members = [entry("L0/m0/sub", tarfile.DIRTYPE), entry("L0/m0/in", tarfile.SYMTYPE, linkname="sub"),
+               entry("L0/m0/h", tarfile.LNKTYPE, linkname="L0/m0/in")]
+    (base / "control").mkdir()
+    read(base / "control", stream(meta(), members))  # positive control: h is that symlink
+    assert os.readlink(base / "control" / "L0" / "upper" / "h") == "sub"
+    (base / "hostile").mkdir()
+    with pytest.raises(OSError):
+        read(base / "hostile", stream(meta(), [*members, reg("L0/m0/h/evil")]))
+    assert "evil" not in {p.name for p in base.rglob("*")}
+    canary_intact(outside)
 
 
 def raw_header(name: str, size: int) -> bytes:

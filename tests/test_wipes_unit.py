@@ -175,7 +175,7 @@ def test_a_failed_rename_falls_back_to_emptying_in_place(tmp_path: Path) -> None
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "canary").write_bytes(CANARY)
-    ws = tmp_path / ("w" * 240)
+    ws = tmp_path / ("w" * 250)  # 250 + len(".hmt-trash-" "-1-0") > NAME_MAX, whatever the pid
     ws.mkdir(mode=0o700)
     os.chown(ws, UID, GID)
     tenant_files(ws, outside)
