@@ -190,3 +190,41 @@ def test_a_failed_rename_falls_back_to_emptying_in_place(tmp_path: Path) -> None
     assert os.stat(ws).st_ino == old
     assert sorted(os.listdir(tmp_path)) == sorted(["outside", ws.name])
     canary_intact(outside)
+
+
+def test_an_agent_not_running_as_root_swaps_without_chown(tmp_path: Path) -> None:
+    """An agent without root (slots run as its own uid): the trash keeps the agent's
+    owner (only root may give a file to root), mode 0700; run in a forked child whose
+    only uid is the slot's, in the slots' directory (it cannot pass pytest's 0700
+    directories above it: paths relative to it)."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    os.chown(slots, UID, GID)
+    ws = slots / "slot_1"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.chdir(slots)
+            os.setgroups([])
+            os.setresgid(GID, GID, GID)
+            os.setresuid(UID, UID, UID)
+            os.mkdir("slot_1")
+            with open("slot_1/f", "w") as f:
+                f.write("x")
+            os.write(w, str(wipes.swap_out(Workspace("slot_1", "/workspace/slot_1"))).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        name = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    trash = slots / name
+    st = os.lstat(trash)
+    assert name.startswith(".hmt-trash-slot_1-") and (trash / "f").is_file()  # positive control
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o700, UID, GID)
+    assert os.listdir(ws) == [] and os.lstat(ws).st_uid == UID
