@@ -194,3 +194,41 @@ def test_listing_stays_inside(tree, layout) -> None:
     assert not any("canary" in n for n in names)
     entries, truncated, _ = w.list_dir(".", recursive=True, max_entries=2)
     assert truncated and len(entries) == 2
+
+
+def set_immutable(path: Path, on: bool) -> None:
+    """``chattr [+-]i``: FS_IOC_GETFLAGS/SETFLAGS with FS_IMMUTABLE_FL (linux/fs.h)."""
+    import array
+    import fcntl
+    import struct
+
+    long = struct.calcsize("l")
+    get, put = (2 << 30) | (long << 16) | (ord("f") << 8) | 1, (1 << 30) | (long << 16) | (ord("f") << 8) | 2
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, get, flags, True)
+        flags[0] = (flags[0] | 0x10) if on else (flags[0] & ~0x10)
+        fcntl.ioctl(fd, put, flags, False)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file immutable needs root")
+@pytest.mark.parametrize("layout", [ws_only, rooted])
+def test_a_write_the_kernel_refuses_is_a_clear_error(tree, layout) -> None:
+    w = layout(tree)
+    frozen = tree["ws"] / "frozen"
+    assert w.write_bytes("frozen", b"one") == "/data/slot_1/frozen"  # positive control
+    try:
+        set_immutable(frozen, True)
+    except OSError as exc:
+        pytest.skip(f"this file system has no immutable flag: {exc}")
+    try:
+        with pytest.raises(FileToolError) as err:
+            w.write_bytes("frozen", b"two")
+        assert str(err.value) == "cannot write /data/slot_1/frozen: Operation not permitted"
+        assert frozen.read_bytes() == b"one"
+    finally:
+        set_immutable(frozen, False)
+    intact(tree)
