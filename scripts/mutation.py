@@ -8,13 +8,16 @@ files in place, so never the checkout itself), ``cosmic-ray init`` lists the mut
 seeded sample of at most ``--max-mutants`` (one mutant per source position first, so every
 site is tried before any site twice) is kept, the unmutated subset must pass (baseline),
 then ``cosmic-ray exec`` runs the subset against each mutant with a per-mutant timeout.
+A target that writes or removes files (``confined``) runs its subset, baseline included,
+in a throwaway mount namespace where only the mutant's copy and a private /tmp are
+writable (:func:`confined`): the subset runs as root, and a mutant may aim at any path.
 
 Prints one line per target and phase: killed / tried, and the surviving mutants (module,
 line, operator) to ``--work/<target>-<phase>.survivors.txt``; judging which survivors are
 equivalent (no test could tell them apart) is left to the reader.
 
 Usage:
-    bash scripts/mutation.sh [--targets files,importer] [--phases before,after]
+    bash scripts/mutation.sh [--targets files,importer,wipes] [--phases before,after]
                              [--base main] [--max-mutants 60] [--work /tmp/hmt-mutation]
 
 Needs the ``mutation`` extra (``cosmic-ray``); scripts/mutation.sh installs it.
@@ -83,7 +86,7 @@ TARGETS: dict[str, Target] = {
             "test_read_file_pages_say_where_to_go_on_and_return_the_whole_file",
             "test_base64_round_trip", "test_file_tool_errors_are_failed_results",
             "test_list_files", "test_artifacts")),
-        after=("tests/test_filetools_unit.py",), timeout_s=240.0, light_after=True),
+        after=("tests/test_filetools_unit.py",), timeout_s=240.0, light_after=True, confined=True),
     # The snapshot importer (its header and member checks and the extraction).
     # Before: the sandbox tests of import (a backend per run: slow); after: the in-process
     # tests of the same functions on a temporary directory.
@@ -102,7 +105,8 @@ TARGETS: dict[str, Target] = {
     # archives (each run builds its test images: slow); after: the unpacker's own tests.
     "unpack": Target(
         "hermes_modal_tool/images/unpack.py", (),
-        before=UNPACK, after=("tests/test_unpack_unit.py",), timeout_s=240.0, light_after=True),
+        before=UNPACK, after=("tests/test_unpack_unit.py",), timeout_s=240.0, light_after=True,
+        confined=True),
     # Admission (how many shells start at once, memory checks).
     # Before: the sandbox tests (real hogs, timing-bound); after: the in-process tests.
     "admission": Target(
