@@ -150,7 +150,8 @@ def confined(work: Path, sandboxes: bool) -> str:
     read-only, a private /tmp (``work/.tmp``, empty at the start of a phase: where the
     tests make their trees and the local driver its sandboxes' state; bound with
     devices allowed, not a tmpfs, which bwrap mounts ``nodev``: a test opens a device
-    node it made), only ``work`` (the mutant's copy, with that /tmp) writable; ended with
+    node it made) and /var/tmp (a tmpfs: skopeo's temporary blobs), only ``work`` (the
+    mutant's copy, with that /tmp) writable; ended with
     this script. A mutant that removes or writes the wrong path fails there (EROFS)
     instead of changing this host. In-process subsets get a new PID namespace and /proc
     too. A subset that starts sandboxes (``sandboxes``) also needs the host's /dev,
@@ -159,7 +160,7 @@ def confined(work: Path, sandboxes: bool) -> str:
     for root by default, and a private /home (the security tests hide canaries there)."""
     # /tmp first: ``work`` may be below the host's /tmp (bound again, over the private one).
     common = (f"{bwrap()} --ro-bind / / --dev-bind {work}/.tmp /tmp --bind {work} {work} "
-              f"--die-with-parent --chdir {work} ")
+              f"--tmpfs /var/tmp --die-with-parent --chdir {work} ")
     if sandboxes:
         return common + ("--tmpfs /home --dev-bind /dev /dev --dev-bind /proc /proc "
                          "--bind /sys/fs/cgroup /sys/fs/cgroup --cap-add ALL -- ")
