@@ -143,6 +143,16 @@ def test_a_well_formed_stream_is_unpacked_with_its_owners_modes_times_and_record
     canary_intact(outside)
 
 
+def test_a_fifo_the_slot_made_is_imported_as_a_fifo(dirs) -> None:
+    # The exporter writes a slot's FIFOs (agent/state/transfer.py _add_tree); an import
+    # refused them as devices, so such a slot's export could not be imported.
+    base, outside = dirs
+    read(base, stream(meta(layers=1), [entry("L0/m0/pipe", tarfile.FIFOTYPE, mode=0o600, uid=3, gid=4)]))
+    st = os.lstat(base / "L0" / "upper" / "pipe")
+    assert stat.S_ISFIFO(st.st_mode) and (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, 3, 4)
+    canary_intact(outside)
+
+
 def test_a_layer_of_the_last_index_and_one_of_one_layer_import(dirs) -> None:
     base, outside = dirs
     read(base, stream(meta(layers=1), [reg("L0/m1/only", b"1")]))
