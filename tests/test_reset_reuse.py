@@ -95,6 +95,9 @@ async def test_dropped_layers_directories_are_reused_and_nothing_piles_up(make_b
     reused = [names for names in names_of.values() if len(names) > 1]
     assert reused, names_of
     for name in spare:  # kept: the layer directory, overlay's empty work and the mount point
-        assert sorted(os.listdir(state / "spare" / name)) == ["merged", "work"]
-        assert not os.listdir(state / "spare" / name / "work")
-        assert not os.listdir(state / "spare" / name / "merged")
+        try:
+            kept = (sorted(os.listdir(state / "spare" / name)), os.listdir(state / "spare" / name / "work"),
+                    os.listdir(state / "spare" / name / "merged"))
+        except FileNotFoundError:  # taken for a standby layer since it was listed (background work)
+            continue
+        assert kept == (["merged", "work"], [], []), (name, kept)
