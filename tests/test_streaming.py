@@ -84,6 +84,14 @@ async def test_a_flooding_slot_does_not_delay_its_neighbour(driver_backend):
     flood = await backend.acquire("flood")
     quiet = await backend.acquire("quiet")
     await bash(backend, quiet, "true")
+    # The neighbour's echo alone first: on a machine other work loads (the loaded runs of
+    # the suite), a fixed bound measured the load, not the flood.
+    alone = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        assert (await bash(backend, quiet, "echo hi")).stdout == "hi\n"
+        alone.append(time.perf_counter() - t0)
+    alone_p99 = statistics.quantiles(alone, n=100)[98]
     received = [0]
     flowing = asyncio.Event()
 
@@ -109,5 +117,9 @@ async def test_a_flooding_slot_does_not_delay_its_neighbour(driver_backend):
             await task
     p99 = statistics.quantiles(latencies, n=100)[98]
     print(f"neighbour echo under a flood: median {statistics.median(latencies) * 1000:.2f} ms, "
-          f"p99 {p99 * 1000:.2f} ms; {received[0] / 1e6:.1f} MB streamed")
-    assert p99 < 0.05, f"neighbour echo p99 {p99 * 1000:.1f} ms under a flooding slot"
+          f"p99 {p99 * 1000:.2f} ms (alone {alone_p99 * 1000:.2f} ms); {received[0] / 1e6:.1f} MB streamed")
+    # 50 ms, or five times what the neighbour saw alone on this machine just before (a
+    # flood that held the neighbour behind its output would cost seconds).
+    bound = max(0.05, 5 * alone_p99)
+    assert p99 < bound, (f"neighbour echo p99 {p99 * 1000:.1f} ms under a flooding slot "
+                         f"(alone {alone_p99 * 1000:.1f} ms, bound {bound * 1000:.0f} ms)")
