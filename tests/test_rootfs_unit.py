@@ -146,6 +146,11 @@ def body_first_root_then_a_reset_through_the_standby(top: str) -> None:
     assert standby is not first and root.active is first
     root.prepare_standby()  # one is ready: nothing more
     assert root.standby is standby and s.layers() == ["layer-1", "layer-2"]
+    # A fork of this slot finds its root's read-only view mounted already.
+    assert os.path.join(s.top, "mnt", "slot_1", "view-0") in mount_points()
+    # The layer in use stays in use while a standby is ready.
+    assert root.ensure() is False and root.swap() is True
+    assert root.active is first and root.standby is standby
     # The reset: pointers only.
     old = root.discard()
     assert old is first and root.active is None and not root.mounted
@@ -160,6 +165,7 @@ def body_first_root_then_a_reset_through_the_standby(top: str) -> None:
     assert first.merged not in mount_points() and old.mounted == []
     with open(os.path.join(dest, "upper", "etc", "tenant")) as fh:
         assert fh.read() == "the last tenant's\n"
+    assert os.stat(os.path.join(dest, "merged")).st_mode & 0o777 == 0o755  # the mount point
     assert s.layers() == ["layer-2"]
     s.fresh(root.active)  # the new tenant's root is untouched by the retirement
     # The next reset without a standby: swap finds none, ensure builds one.
@@ -170,6 +176,19 @@ def body_first_root_then_a_reset_through_the_standby(top: str) -> None:
     assert root.active.dir == os.path.join(s.base, "layer-3")
     root.retire(old)
     assert old.merged not in mount_points()
+    root.teardown()
+
+
+def body_a_standby_is_kept_when_the_roots_view_cannot_be_mounted(top: str) -> None:
+    s = Slot(top)
+    root = s.root
+    root.ensure()
+    view = os.path.join(s.top, "mnt", "slot_1", "view-0")
+    with open(view, "w"):  # in the way of the view's mount point
+        pass
+    root.prepare_standby()  # a fork of this slot tries again and says why it cannot
+    s.fresh(root.standby)
+    assert view not in mount_points()
     root.teardown()
 
 
@@ -319,6 +338,7 @@ def body_a_root_of_two_mounts_is_reset_whole(top: str) -> None:
     with open(first.merged + "/srv/tenant-srv", "w") as fh:
         fh.write("x")
     assert os.path.exists(os.path.join(first.dir, "layers", "1", "upper", "tenant-srv"))
+    assert os.stat(os.path.join(first.dir, "layers", "1")).st_mode & 0o777 == 0o700
     root.prepare_standby()
     root.discard()
     root.swap()
@@ -430,6 +450,10 @@ if __name__ == "__main__":
 
 def test_first_root_then_a_reset_through_the_standby(tmp_path: Path) -> None:
     in_private_ns("first_root_then_a_reset_through_the_standby", tmp_path)
+
+
+def test_a_standby_is_kept_when_the_roots_view_cannot_be_mounted(tmp_path: Path) -> None:
+    in_private_ns("a_standby_is_kept_when_the_roots_view_cannot_be_mounted", tmp_path)
 
 
 def test_current_points_at_the_layer_in_use(tmp_path: Path) -> None:
