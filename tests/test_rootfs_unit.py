@@ -192,6 +192,25 @@ def body_a_standby_is_kept_when_the_roots_view_cannot_be_mounted(top: str) -> No
     root.teardown()
 
 
+def body_a_forks_layer_is_reset_with_its_lower_mounts(top: str) -> None:
+    s = Slot(top)
+    root = s.root
+    root.ensure()
+    s.tenant_writes()
+    frozen = root.freeze()  # a snapshot of the tenant's layer (another slot's: idmapped)
+    fork = root.build_on([(frozen.dir, UID + 1)])
+    assert root.install(fork) is None
+    with open(root.merged + "/etc/tenant") as fh:  # positive control: the frozen layer shows
+        assert fh.read() == "the last tenant's\n"
+    inside = [p for p in mount_points() if p.startswith(fork.dir + "/")]
+    assert sorted(inside) == sorted([fork.merged] + fork.lower_mounts) and fork.lower_mounts, inside
+    dest = root.retire(root.discard())
+    left = [p for p in mount_points() if p.startswith((fork.dir + "/", dest + "/"))]
+    assert left == [] and fork.lower_mounts == [] and fork.mounted == [], left
+    assert os.path.isfile(os.path.join(frozen.dir, "upper", "etc", "tenant"))  # the snapshot's
+    root.teardown()
+
+
 def body_current_points_at_the_layer_in_use(top: str) -> None:
     s = Slot(top)
     root = s.root
@@ -454,6 +473,10 @@ def test_first_root_then_a_reset_through_the_standby(tmp_path: Path) -> None:
 
 def test_a_standby_is_kept_when_the_roots_view_cannot_be_mounted(tmp_path: Path) -> None:
     in_private_ns("a_standby_is_kept_when_the_roots_view_cannot_be_mounted", tmp_path)
+
+
+def test_a_forks_layer_is_reset_with_its_lower_mounts(tmp_path: Path) -> None:
+    in_private_ns("a_forks_layer_is_reset_with_its_lower_mounts", tmp_path)
 
 
 def test_current_points_at_the_layer_in_use(tmp_path: Path) -> None:
