@@ -142,6 +142,14 @@ TARGETS: dict[str, Target] = {
         before=("tests/test_reset_reuse.py",
                 "tests/test_spare_shells.py::test_the_shell_started_after_a_reset_sees_nothing_of_the_last_tenant"),
         after=("tests/test_rootfs_unit.py",), timeout_s=240.0, light_after=True, confined=True),
+    # The reset decision of a slot with a layered root (agent/slot.py): which slots get a
+    # new root, when a pre-started shell is kept, which stop may kill early. Before: the
+    # same sandbox tests; after: the in-process tests of the decision on a real root.
+    "slotreset": Target(
+        "hermes_modal_tool/agent/slot.py", ("SlotRuntime.reset",),
+        before=("tests/test_reset_reuse.py",
+                "tests/test_spare_shells.py::test_the_shell_started_after_a_reset_sees_nothing_of_the_last_tenant"),
+        after=("tests/test_slot_reset_unit.py",), timeout_s=240.0, light_after=True, confined=True),
 }
 
 

@@ -40,13 +40,13 @@ if __name__ != "__main__":  # the child (main) needs no pytest
         reason="a layered root needs root (mounts) and unshare(1) for a private mount namespace")
 
 
-def in_private_ns(body: str, tmp_path: Path) -> None:
-    """Run ``body_<body>(top)`` of this file in a child in a private mount namespace,
-    ``top`` a new directory under ``tmp_path``; fail with the child's error."""
+def in_private_ns(body: str, tmp_path: Path, script: str = __file__) -> None:
+    """Run ``body_<body>(top)`` of ``script`` (this file) in a child in a private mount
+    namespace, ``top`` a new directory under ``tmp_path``; fail with the child's error."""
     top = tmp_path / "top"
     top.mkdir()
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, __file__,
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, script,
                         body, str(top)], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and r.stdout.endswith("passed\n"), r.stdout + r.stderr
 
@@ -450,14 +450,15 @@ def body_a_failed_build_leaves_nothing(top: str) -> None:
     root.teardown()
 
 
-def main() -> None:
+def main(bodies: dict | None = None) -> None:
+    """The child: ``body_<argv[1]>(argv[2])`` of ``bodies`` (this module's globals)."""
     name, top = sys.argv[1], sys.argv[2]
     # The agent's package of this tree (a mutant's copy), without the host package's
     # __init__ (the agent is stdlib-only: it runs in a sandbox that way).
     host = types.ModuleType("hermes_modal_tool")
     host.__path__ = [str(ROOT / "hermes_modal_tool")]
     sys.modules["hermes_modal_tool"] = host
-    globals()["body_" + name](top)
+    (bodies or globals())["body_" + name](top)
     print("passed")
 
 
