@@ -40,13 +40,14 @@ if __name__ != "__main__":  # the child (main) needs no pytest
         reason="a layered root needs root (mounts) and unshare(1) for a private mount namespace")
 
 
-def in_private_ns(body: str, tmp_path: Path, script: str = __file__) -> None:
+def in_private_ns(body: str, tmp_path: Path, script: str = __file__, more: tuple = ()) -> None:
     """Run ``body_<body>(top)`` of ``script`` (this file) in a child in a private mount
-    namespace, ``top`` a new directory under ``tmp_path``; fail with the child's error."""
+    namespace (and the namespaces ``more`` asks unshare(1) for), ``top`` a new directory
+    under ``tmp_path``; fail with the child's error."""
     top = tmp_path / "top"
     top.mkdir()
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, script,
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", *more, sys.executable, script,
                         body, str(top)], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and r.stdout.endswith("passed\n"), r.stdout + r.stderr
 

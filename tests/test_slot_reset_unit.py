@@ -209,6 +209,55 @@ def body_a_forks_layer_is_not_killed_early(top: str) -> None:
     asyncio.run(run())
 
 
+def body_a_slot_without_namespaces_has_its_uids_processes_and_tmp_files_purged(top: str) -> None:
+    """A workspace-only slot without namespaces (``isolation: none``): a process of its
+    uid may have left the shell's session and its files in /tmp outlive it, so a reset
+    ends every process of the uid and removes its files there; a slot in bwrap has a /tmp
+    and processes of its own, so nothing is purged. The child has a PID and an IPC
+    namespace and tmpfs /tmp, /var/tmp and /dev/shm of its own: the purge reaches
+    nothing of the host."""
+    import subprocess
+    import threading
+
+    from hermes_modal_tool.agent.fs import mounts
+    from hermes_modal_tool.agent.slot import SHARED_TMP, SlotRuntime
+
+    for shared in SHARED_TMP:
+        os.makedirs(shared, exist_ok=True)
+        mounts.mount_tmpfs(shared, "size=1024k,mode=1777")
+
+    def tenant_leaves(isolation: str) -> tuple[subprocess.Popen, str]:
+        """A process of the slot's uid and its file in /tmp."""
+        proc = subprocess.Popen(["sleep", "60"], user=UID, group=UID, extra_groups=[])
+        threading.Thread(target=proc.wait, daemon=True).start()  # reaped when killed
+        left = os.path.join("/tmp", "left-" + isolation)
+        with open(left, "w"):
+            pass
+        os.chown(left, UID, UID)
+        return proc, left
+
+    def still_there(proc: subprocess.Popen, left: str) -> tuple[bool, bool]:
+        return proc.poll() is None, os.path.exists(left)
+
+    async def reset(isolation: str) -> tuple[bool, bool]:
+        """``(its process ran on, its /tmp file is there)`` after a reset."""
+        proc, left = tenant_leaves(isolation)
+        agent = AgentParts(os.path.join(top, isolation), asyncio.get_running_loop())
+        agent.filesystem, agent.cgroups = "workspace-only", None
+        agent.isolation = "".join(isolation)  # a value read from the agent's config
+        slot = SlotRuntime(agent, 1)
+        slot.prepare_dirs()
+        assert still_there(proc, left) == (True, True)  # positive control
+        await slot.reset()
+        await asyncio.sleep(0.05)
+        seen = still_there(proc, left)
+        proc.kill()
+        return seen
+
+    assert asyncio.run(reset("bwrap")) == (True, True)
+    assert asyncio.run(reset("none")) == (False, False)
+
+
 if __name__ == "__main__":
     main(globals())
 
@@ -233,3 +282,8 @@ def test_a_pre_started_shell_is_kept_until_the_slot_runs_something(tmp_path: Pat
 
 def test_a_forks_layer_is_not_killed_early(tmp_path: Path) -> None:
     in_private_ns("a_forks_layer_is_not_killed_early", tmp_path, __file__)
+
+
+def test_a_slot_without_namespaces_has_its_uids_processes_and_tmp_files_purged(tmp_path: Path) -> None:
+    in_private_ns("a_slot_without_namespaces_has_its_uids_processes_and_tmp_files_purged", tmp_path,
+                  __file__, ("--pid", "--fork", "--mount-proc", "--ipc"))
