@@ -159,8 +159,12 @@ def body_a_slot_that_ran_nothing_keeps_its_root(top: str) -> None:
         agent, slot = await slot_of(top)
         root = slot.root
         first, standby = root.active, root.standby
+        stray = os.path.join(slot.ctl_host, "stray")
+        os.mkdir(stray)  # a name unlink cannot remove: the reset goes on
         await slot.reset()
         assert root.active is first and root.standby is standby and agent.handed == []
+        assert os.listdir(slot.ctl_host) == ["stray"]
+        os.rmdir(stray)
         assert shows_tenant(root.merged)  # the same layer (the file stands for its state)
         # No shell runs: it is stopped all the same, and the control directory emptied.
         assert len(slot.stops) == 1 and agent.cgroups.killed == [1]
@@ -192,19 +196,28 @@ def body_a_pre_started_shell_is_kept_until_the_slot_runs_something(top: str) -> 
     asyncio.run(run())
 
 
-def body_a_forks_layer_is_not_killed_early(top: str) -> None:
+def body_a_forks_layer_is_let_go_and_not_killed_early(top: str) -> None:
+    from hermes_modal_tool.agent.state import snapshots
+
     async def run() -> None:
         agent, slot = await slot_of(top)
         root = slot.root
-        frozen = await agent.loop.run_in_executor(None, root.freeze)
-        fork = await agent.loop.run_in_executor(None, root.build_on, [(frozen.dir, UID)])
-        assert root.install(fork) is None and shows_tenant(root.merged)
-        slot.dirty = True
+        # A snapshot of the tenant's layer, held by a client, and the slot put on it (a
+        # fork: the snapshots' own code).
+        layer = await agent.loop.run_in_executor(None, root.freeze)
+        frozen = snapshots.store(agent).add(layer.dir, UID, None, 0, "")
+        frozen.holds = 1
+        await snapshots._stack(agent, slot, frozen, "")
+        fork = root.active
+        assert fork.stack is frozen and frozen.users == 1 and shows_tenant(root.merged)
+        agent.handed = []
         await slot.reset(on_killed=lambda: None)
         # The snapshots the fork holds are let go after the teardown (the answer says so).
         assert slot.stops == [None]
         assert agent.handed == [(root, fork)] and root.active is not fork
         assert not shows_tenant(root.merged)
+        assert fork.stack is None and frozen.users == 0  # the fork no longer uses it
+        assert snapshots.store(agent).get(frozen.id) is frozen  # still held: kept
 
     asyncio.run(run())
 
@@ -280,8 +293,8 @@ def test_a_pre_started_shell_is_kept_until_the_slot_runs_something(tmp_path: Pat
     in_private_ns("a_pre_started_shell_is_kept_until_the_slot_runs_something", tmp_path, __file__)
 
 
-def test_a_forks_layer_is_not_killed_early(tmp_path: Path) -> None:
-    in_private_ns("a_forks_layer_is_not_killed_early", tmp_path, __file__)
+def test_a_forks_layer_is_let_go_and_not_killed_early(tmp_path: Path) -> None:
+    in_private_ns("a_forks_layer_is_let_go_and_not_killed_early", tmp_path, __file__)
 
 
 def test_a_slot_without_namespaces_has_its_uids_processes_and_tmp_files_purged(tmp_path: Path) -> None:
