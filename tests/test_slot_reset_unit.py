@@ -232,9 +232,12 @@ def body_a_slot_without_namespaces_has_its_uids_processes_and_tmp_files_purged(t
     import subprocess
     import threading
 
-    from hermes_modal_tool.agent.fs import mounts
+    from hermes_modal_tool.agent.fs import mounts, trees  # noqa: F401 - see below
+    from hermes_modal_tool.agent.limits import sysvipc  # noqa: F401
     from hermes_modal_tool.agent.slot import SHARED_TMP, SlotRuntime
 
+    # The tmpfs hides the host's /tmp, where this tree may be (a mutation run's copy):
+    # what the purge imports when it runs is imported above, before.
     for shared in SHARED_TMP:
         os.makedirs(shared, exist_ok=True)
         mounts.mount_tmpfs(shared, "size=1024k,mode=1777")
