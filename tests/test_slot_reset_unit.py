@@ -222,6 +222,25 @@ def body_a_forks_layer_is_let_go_and_not_killed_early(top: str) -> None:
     asyncio.run(run())
 
 
+def body_a_slot_whose_root_was_never_built_is_reset_all_the_same(top: str) -> None:
+    """A call ran but the slot's root could not be built (say, the disk was full): the
+    reset has no layer to drop and goes on (the next start builds one)."""
+    from hermes_modal_tool.agent.slot import SlotRuntime
+
+    async def run() -> None:
+        agent = AgentParts(top, asyncio.get_running_loop())
+        slot = SlotRuntime(agent, 1)
+        slot.prepare_dirs()
+        slot.dirty = True
+        await slot.reset()
+        assert slot.root.active is None and agent.handed == [(slot.root, None)]
+        assert agent.cgroups.killed == [1]
+        await agent.loop.run_in_executor(None, slot.root.ensure)
+        assert slot.root.active is not None and slot.dirty is False  # built on demand
+
+    asyncio.run(run())
+
+
 def body_a_slot_without_namespaces_has_its_uids_processes_and_tmp_files_purged(top: str) -> None:
     """A workspace-only slot without namespaces (``isolation: none``): a process of its
     uid may have left the shell's session and its files in /tmp outlive it, so a reset
@@ -298,6 +317,10 @@ def test_a_pre_started_shell_is_kept_until_the_slot_runs_something(tmp_path: Pat
 
 def test_a_forks_layer_is_let_go_and_not_killed_early(tmp_path: Path) -> None:
     in_private_ns("a_forks_layer_is_let_go_and_not_killed_early", tmp_path, __file__)
+
+
+def test_a_slot_whose_root_was_never_built_is_reset_all_the_same(tmp_path: Path) -> None:
+    in_private_ns("a_slot_whose_root_was_never_built_is_reset_all_the_same", tmp_path, __file__)
 
 
 def test_a_slot_without_namespaces_has_its_uids_processes_and_tmp_files_purged(tmp_path: Path) -> None:
