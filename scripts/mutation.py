@@ -129,6 +129,27 @@ TARGETS: dict[str, Target] = {
         "hermes_modal_tool/agent/fs/wipes.py", (),
         before=("tests/security/test_attack_resets.py::test_failed_reset_quarantines_the_slot_not_its_sandbox[local]",),
         after=("tests/test_wipes_unit.py",), timeout_s=240.0, light_after=True, confined=True),
+    # The agent's side of a layered root's reset (agent/fs/rootfs.py): the layer in use
+    # dropped and the standby one taken (pointers only), the dropped one unmounted and
+    # moved to the trash, the next standby built and mounted. Before: the sandbox tests of
+    # resets on a layered root; after: the in-process tests, whose mounts are made in a
+    # private mount namespace of their own (``unshare -m``) on a temporary image.
+    "rootfs": Target(
+        "hermes_modal_tool/agent/fs/rootfs.py",
+        ("SlotRoot.ensure", "SlotRoot.swap", "SlotRoot.prepare_standby", "SlotRoot._keep_or_drop",
+         "SlotRoot.discard", "SlotRoot.retire", "SlotRoot._new_layer", "SlotRoot._build",
+         "SlotRoot._mount", "SlotRoot.point_current", "_release_disk", "_unmount_layer"),
+        before=("tests/test_reset_reuse.py",
+                "tests/test_spare_shells.py::test_the_shell_started_after_a_reset_sees_nothing_of_the_last_tenant"),
+        after=("tests/test_rootfs_unit.py",), timeout_s=240.0, light_after=True, confined=True),
+    # The reset decision of a slot with a layered root (agent/slot.py): which slots get a
+    # new root, when a pre-started shell is kept, which stop may kill early. Before: the
+    # same sandbox tests; after: the in-process tests of the decision on a real root.
+    "slotreset": Target(
+        "hermes_modal_tool/agent/slot.py", ("SlotRuntime.reset",),
+        before=("tests/test_reset_reuse.py",
+                "tests/test_spare_shells.py::test_the_shell_started_after_a_reset_sees_nothing_of_the_last_tenant"),
+        after=("tests/test_slot_reset_unit.py",), timeout_s=240.0, light_after=True, confined=True),
 }
 
 
