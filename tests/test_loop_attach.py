@@ -82,7 +82,9 @@ def test_attach_outlasts_a_long_run_of_busy_answers(monkeypatch, tmp_path):
     finally:
         os.close(fd)
     try:
-        assert busy["left"] == 0 and busy["asked"] == 101
+        # 100 refused, then a real one: at least 101 asks (more when another process on the
+        # machine takes a free device first, as the suite's other worker did once).
+        assert busy["left"] == 0 and busy["asked"] >= 101
         with open(f"/sys/block/{os.path.basename(dev)}/size") as f:
             assert int(f.read()) == 2048  # 1 MiB in 512-byte sectors: our file backs it
     finally:
