@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
+from ._transfer_wire import _cancel, _where
 from .errors import SandboxError, UsageError
 from .slots import Slot
 
@@ -288,9 +289,7 @@ async def _upstream(sb: Sandbox, tid: str, reader: asyncio.StreamReader, head: b
             await inflight.popleft()
         await _ask(sb, {"op": "tunnel", "tunnel": tid, "end": True})
     finally:
-        for fut in inflight:
-            fut.cancel()
-        await asyncio.gather(*inflight, return_exceptions=True)
+        await _cancel(inflight)
 
 
 async def _downstream(sb: Sandbox, tid: str, writer: asyncio.StreamWriter) -> None:
@@ -311,17 +310,7 @@ async def _downstream(sb: Sandbox, tid: str, writer: asyncio.StreamWriter) -> No
             if got.get("eof"):
                 return
     finally:
-        for fut in inflight:
-            fut.cancel()
-        await asyncio.gather(*inflight, return_exceptions=True)
-
-
-def _where(backend: BackendView, slot: Slot) -> tuple[Sandbox, int]:
-    pool = backend._pools.get(slot.profile)
-    if pool is None:
-        raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-    rec = pool.record_of(slot)
-    return rec.sandbox, rec.index
+        await _cancel(inflight)
 
 
 def _bearer(value: str) -> str | None:
