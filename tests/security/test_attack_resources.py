@@ -76,8 +76,7 @@ async def test_memory_bomb_hits_the_slot_memory_limit(make_backend):
 
 def kernel_disk(backend) -> bool:
     """Whether the kernel enforces ``slot_disk`` (agent/fs/slotdisk.py) rather than a watch."""
-    disk = backend.get_status()["pools"][backend.default_profile]["caps"]["disk"]
-    return disk["enforced"].startswith("kernel")
+    return enforced(backend, "disk").startswith("kernel")
 
 
 async def test_tmp_filler_gets_enospc_and_the_host_tmp_is_untouched(mode_backend):
