@@ -10,6 +10,7 @@ from .gpus import gpu_status
 
 log = logging.getLogger("hermes_modal_tool")
 _WARNED_WORKSPACE_ONLY: set[str] = set()  # profiles already warned about (once per process)
+_WARNED_NO_NETWORK: set[str] = set()
 #: ``calls_per_second``: calls are counted per tenth of a second, for the last minute.
 RATE_TICKS_PER_S = 10
 RATE_KEEP_S = 60.0
@@ -20,8 +21,12 @@ class PoolStatus:
     ``_records``, ``_sandboxes``, ``_free``, ``_waiters``, ``_starting``, ``_live`` and
     ``_rate_window``."""
 
-    def _warn_workspace_only(self) -> None:
-        """Say once per profile when slots could not get a layered root of their own."""
+    def _warn_degraded(self) -> None:
+        """Say once per profile when slots could not get a layered root of their own, or
+        the default ``network: egress`` became ``none`` (agent/net/slotnet.start_or_degrade)."""
+        if self.info.get("network_note") and self.name not in _WARNED_NO_NETWORK:
+            _WARNED_NO_NETWORK.add(self.name)
+            log.warning("profile %r: %s", self.name, self.info["network_note"])
         if (self.info.get("filesystem") == "workspace-only" and self.config.filesystem == "auto"
                 and self.name not in _WARNED_WORKSPACE_ONLY):
             _WARNED_WORKSPACE_ONLY.add(self.name)
@@ -74,7 +79,9 @@ class PoolStatus:
             "limits": self.info.get("limits"),
             "limits_note": self.info.get("limits_note") or None,
             "abstract_sockets": self.info.get("abstract_sockets"),
-            "network": self.config.network,
+            # "none" where the default egress could not start (network_note says why)
+            "network": "none" if self.info.get("network_note") else self.config.network,
+            "network_note": self.info.get("network_note") or None,
             "gpu": gpu_status(self.config, self._sandboxes),
             "volumes": [v.model_dump() for v in self.config.volumes],
             **self.stats,

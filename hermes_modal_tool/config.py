@@ -154,11 +154,15 @@ class SandboxConfig(BaseModel):
                           "seconds (the original terminal tool's meaning; idle_timeout then only "
                           "sets Modal's own server-side idle limit).")
     network: Literal["none", "egress", "host"] = Field(
-        "host", description="Each slot's network: 'none' (loopback only), 'egress' (a network "
-                            "namespace of its own behind the agent's policy: see egress and the "
-                            "README's Network section; on modal, Modal's outbound allow-lists per "
-                            "sandbox), 'host' (the sandbox's "
-                            "network). true and false are aliases of 'host' and 'none'.")
+        "egress", description="Each slot's network: 'none' (loopback only), 'egress' (the "
+                              "default: a network namespace of its own behind the agent's "
+                              "policy, no reach into the host: see egress and the README's "
+                              "Network section; on modal, Modal's outbound allow-lists per "
+                              "sandbox), 'host' (the sandbox's network). true and false are "
+                              "aliases of 'egress' and 'none'. Left unset, it is 'host' with "
+                              "isolation: none, and a sandbox whose agent cannot make network "
+                              "namespaces (not root) runs its slots with 'none' and says so in "
+                              "get_status(); set explicitly, 'egress' there fails the start.")
     egress: EgressOptions = Field(
         default_factory=lambda: EgressOptions(),
         description="network: egress only: {allow: [CIDR or name pattern], deny: [...], "
@@ -270,6 +274,8 @@ class SandboxConfig(BaseModel):
             from .modal_network import check  # Modal enforces egress itself: what it can
 
             check(self.egress, self.name)
+        if self.isolation == "none" and "network" not in self.model_fields_set:
+            self.__dict__["network"] = "host"  # no namespaces at all: nothing else is honest
         if self.network == "egress" and self.isolation == "none":
             raise ValueError("network: egress needs isolation: bwrap (without it a slot runs with "
                              "the agent's privileges and could leave its namespace)")

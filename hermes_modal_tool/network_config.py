@@ -7,20 +7,33 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 #: ``network`` values (bools and their spellings in variables) kept as aliases.
-NETWORK_ALIASES = {True: "host", False: "none", "true": "host", "false": "none", "1": "host",
-                   "0": "none", "yes": "host", "no": "none", "on": "host", "off": "none"}
+NETWORK_ALIASES = {True: "egress", False: "none", "true": "egress", "false": "none", "1": "egress",
+                   "0": "none", "yes": "egress", "no": "none", "on": "egress", "off": "none"}
+_TRUE_NOTED = []  # the one-time note on ``network: true`` (once per process)
 
 
 def network_mode(value: Any) -> Any:
     """The ``network`` mode ``value`` names: ``"none"``, ``"egress"`` or ``"host"``; the
-    aliases of :data:`NETWORK_ALIASES` (``true`` = ``"host"`` for now, ``false`` =
-    ``"none"``) are mapped. Raises ValueError naming a bad value (the profile and key
-    are added by :class:`ConfigError`)."""
+    aliases of :data:`NETWORK_ALIASES` (``true`` = ``"egress"``, ``false`` = ``"none"``)
+    are mapped; the first ``true`` of the process issues one :class:`ConfigWarning`
+    saying that it no longer means the host's network. Raises ValueError naming a bad
+    value (the profile and key are added by :class:`ConfigError`)."""
     if isinstance(value, str) and value.strip().lower() in ("none", "egress", "host"):
         return value.strip().lower()
     key = value.strip().lower() if isinstance(value, str) else value
     if isinstance(key, (bool, str)) and key in NETWORK_ALIASES:
-        return NETWORK_ALIASES[key]
+        mode = NETWORK_ALIASES[key]
+        if mode == "egress" and not _TRUE_NOTED:
+            import warnings
+
+            from .errors import ConfigWarning
+
+            _TRUE_NOTED.append(True)
+            warnings.warn(f"network: {value!r} means 'egress' (a network namespace of the slot's "
+                          "own, no reach into the host; see the README's Network section); it "
+                          "was the host's network before: write network: host for that",
+                          ConfigWarning, stacklevel=2)
+        return mode
     raise ValueError("network must be 'none', 'egress' or 'host' (or true/false)")
 
 

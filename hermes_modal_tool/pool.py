@@ -170,7 +170,7 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
                 await sb.close()
                 handle = None
                 raise
-            self._warn_workspace_only()
+            self._warn_degraded()
         except BaseException as exc:
             self._starting -= 1
             if handle is not None:

@@ -63,6 +63,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.heartbeat = None
         self.gpu = None  # gpu.AgentGpu for a gpu profile
         self.net, self.network = None, "host"  # network: egress's namespaces (net/slotnet.py)
+        self.network_note = ""
         self._spawn_limiter = None
         self._executors = {}  # name -> ThreadPoolExecutor, made on first use
         self.spares = set()  # indexes of idle slots whose shell was started ahead of use
@@ -192,7 +193,8 @@ class Agent(Setup, Calls, DiskWatch):
                                    "waiting": s.pending is not None}
                           for i, s in self.slots.items()},
                 "admission": self.admission.statistics(), "shell_start": self.thread_start_note,
-                "network": self.net.status() if self.net is not None else {"mode": self.network}}
+                "network": (self.net.status() if self.net is not None
+                            else {"mode": self.network, "note": self.network_note})}
 
     async def handle_reset(self, msg):
         mid = msg.get("id")

@@ -30,6 +30,7 @@ class Setup:
         self.bwrap = cfg.get("bwrap")
         self.network = slotnet.network_mode(cfg.get("network", True))
         self.net = None  # network: egress: the router and slots' namespaces (net/slotnet.py)
+        self.network_note = ""  # why the profile's default egress became none, if it did
         self.hide = list(cfg.get("hide", []))
         # (source, target, read_only) per volume; slots of their own uids must reach them
         self.volumes = volumes.parse(cfg, cfg.get("uid_base") is not None and os.geteuid() == 0)
@@ -87,8 +88,11 @@ class Setup:
         self.rlimits = [] if self.cgroups else isolation.rlimits_for(limits, self.uid_base is not None)
         if not self.cgroups:
             limit_mode = "rlimit"
-        if self.network == "egress":  # before any slot starts; an error fails the init
-            self.net = slotnet.SandboxNet(cfg.get("egress"), "the profile's egress").start()
+        if self.network == "egress":  # before any slot starts
+            self.net, self.network_note = slotnet.start_or_degrade(
+                cfg.get("egress"), "the profile's egress", cfg.get("network_explicit", True))
+            if self.net is None:
+                self.network = "none"
         tmpfs_root, tmpfs_note = slottmpfs.plan(self, limit_mode)
         for i in range(int(cfg["slots"])):
             self.slots[i] = SlotRuntime(self, i)
@@ -122,6 +126,7 @@ class Setup:
             "abstract_sockets": isolation.scopes.abstract_socket_scope()[1],
             "slots": len(self.slots),
             "network": self.network,
+            "network_note": self.network_note,
             # network: egress: the sandbox's router namespace (/proc/<pid>/fd/<n>; tests attach
             # the fake internet there with upstream: none)
             "network_router": self.net.router_path if self.net is not None else None,

@@ -399,6 +399,9 @@ class LocalDriver(Driver):
             "isolation": config.isolation,
             "bwrap": bwrap,
             "network": config.network,
+            # set by the profile (an error if egress cannot start) or the default (degrades
+            # to none, said in status: agent/net/slotnet.start_or_degrade)
+            "network_explicit": "network" in config.model_fields_set,
             "egress": config.egress.model_dump(),
             "env": slot_env,
             "uid_base": (200000 + (next(_UID_SEQ) % 16384) * 4096) if root and config.isolation == "bwrap" else None,

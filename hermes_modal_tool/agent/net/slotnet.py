@@ -52,13 +52,13 @@ class NetError(RuntimeError):
 
 def network_mode(value):
     """``"none"``, ``"egress"`` or ``"host"`` from a config value (``True`` is
-    ``"host"``, ``False`` ``"none"``: the profile's aliases, see config.py).
+    ``"egress"``, ``False`` ``"none"``: the profile's aliases, see network_config.py).
 
     Raises:
         ValueError: any other value (named).
     """
     if value is True or value is False:
-        return "host" if value else "none"
+        return "egress" if value else "none"
     if value in ("none", "egress", "host"):
         return value
     raise ValueError("network must be 'none', 'egress' or 'host', got %r" % (value,))
@@ -152,17 +152,58 @@ def _pdeathsig():
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def upstream_dns(resolv_conf="/etc/resolv.conf"):
-    """``(address, 53)`` of the first IPv4 nameserver of ``resolv_conf``, or None."""
+#: slirp4netns's own resolver (it forwards to the host's, loopback ones included).
+SLIRP_DNS = ("10.0.2.3", 53)
+
+
+def upstream_dns(resolv_conf="/etc/resolv.conf", slirp=False):
+    """``(address, 53)`` of the first IPv4 nameserver of ``resolv_conf``, or None. With
+    ``slirp`` (the router's upstream is slirp4netns) a loopback nameserver (systemd-resolved's
+    127.0.0.53), or none at all, gives :data:`SLIRP_DNS`: the router cannot reach the host's
+    loopback, slirp4netns asks it from the host's namespace."""
     try:
         with open(resolv_conf) as fh:
             for line in fh:
                 parts = line.split()
                 if len(parts) >= 2 and parts[0] == "nameserver" and ":" not in parts[1]:
+                    if slirp and parts[1].startswith("127."):
+                        return SLIRP_DNS
                     return parts[1], 53
     except OSError:
         pass
-    return None
+    return SLIRP_DNS if slirp else None
+
+
+def start_or_degrade(options, where, explicit):
+    """Start a sandbox's :class:`SandboxNet` for ``network: egress``; returns ``(net, "")``.
+
+    Where it cannot start (the agent is not root, so no network namespace of its own;
+    ``ip``, ``nft`` or ``slirp4netns`` missing; no resolver) and the profile left
+    ``network`` unset (``explicit`` false), returns ``(None, why)`` instead: the slots
+    run with ``network: none`` (loopback only; never the host's network) and ``why``
+    is shown in the sandbox's status. With ``network: egress`` set explicitly the
+    error is raised.
+
+    Raises:
+        NetError: it could not start and ``explicit`` (the message says why and what to set).
+    """
+    net = None
+    try:
+        net = SandboxNet(options, where)
+        return net.start(), ""
+    except (OSError, NetError) as exc:
+        if net is not None:
+            net.close()
+        why = str(exc)
+        if isinstance(exc, OSError) and exc.errno == 1:
+            why = ("the agent cannot make a network namespace (it runs as uid %d, not root: "
+                   "unshare(CLONE_NEWNET) was refused)" % os.geteuid())
+        if explicit:
+            raise NetError("network: egress could not start: %s; run the sandbox's agent as "
+                           "root, or set network: none (or host) in the profile" % why) from None
+        return None, ("network: egress (the default) is not available here, so the slots have "
+                      "no network (none): %s. Set network: host in the profile for the "
+                      "sandbox's network, or none to silence this" % why)
 
 
 def slot_addresses(index):
@@ -202,7 +243,7 @@ class SandboxNet:
             host, _, port = dns.partition(":")
             self.dns = (host, int(port or 53))
         else:
-            self.dns = upstream_dns()
+            self.dns = upstream_dns(slirp=(options.get("upstream") or "slirp4netns") == "slirp4netns")
         self.upstream = options.get("upstream") or "slirp4netns"
         self.proxy_only = bool(options.get("proxy"))
         self.proxy = None  # the ForwardProxy, with proxy_only
@@ -222,7 +263,14 @@ class SandboxNet:
         return "/proc/%d/fd/%d" % (os.getpid(), self.router[0]) if self.router else None
 
     def start(self):
-        """Make the router namespace (forwarding on) and start its upstream. Blocking."""
+        """Make the router namespace (forwarding on) and start its upstream. Blocking.
+
+        Raises:
+            NetError: no resolver to ask, or the upstream did not start.
+            OSError: the kernel refused the namespace (the agent is not root).
+        """
+        if self.dns is None:
+            raise NetError("network: egress has no resolver to ask: set egress.dns in the profile")
         fd, inode = self.router = new_netns()
         if inode == _own_inode():  # pragma: no cover - unshare made no new namespace
             raise NetError("the router namespace is the agent's own")
