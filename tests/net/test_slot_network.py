@@ -187,6 +187,11 @@ async def test_release_removes_the_slots_network(egress: Any, fakenet: fn.FakeIn
     inode = slot_ns.output.strip()
     assert inode.startswith("net:[") and inode in netns_in_use(), slot_ns.output
     assert "hmt_slot_" in tables and " hs" in links
+    # Made in-process (libnftables, rtnetlink) from the agent's threads: in the router's
+    # namespace, none of it in the host's (read-only listings of the host's).
+    host_tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    host_links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert "hmt_slot_" not in host_tables and " hs" not in host_links, (host_tables, host_links)
     learned = in_router(router, "nft", "list", "ruleset")
     assert fn.WWW in learned  # www's address is in the slot's learned set
     await backend.release(slot)

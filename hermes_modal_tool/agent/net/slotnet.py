@@ -34,7 +34,8 @@ import signal
 import subprocess
 import threading
 
-from . import hostaddrs, nftrules, proxy
+from . import hostaddrs, nftlib, nftrules, proxy
+from .rtnl import Rtnl
 from .policy import EgressPolicy
 from .resolver import DnsResolver
 
@@ -253,7 +254,8 @@ class SandboxNet:
         self.slots = {}
         self._lock = threading.Lock()
         self._upstream = None
-        self.ip, self.nft = _tool("ip"), _tool("nft")
+        self._nft = None  # nftlib.Nft made in the router (None: the nft program)
+        self.ip, self.nft_path = _tool("ip"), _tool("nft")
         self.refused_released = 0  # refusals of slots already released
         self._released_counts = {}  # index -> the last tenant's refusals, until its reset answers
 
@@ -274,7 +276,10 @@ class SandboxNet:
         fd, inode = self.router = new_netns()
         if inode == _own_inode():  # pragma: no cover - unshare made no new namespace
             raise NetError("the router namespace is the agent's own")
-        self._router("ip", "link", "set", "lo", "up")
+        with entered(fd, inode):  # the context's netlink socket is the router's
+            with Rtnl() as rtnl:
+                rtnl.up("lo")
+            self._nft = nftlib.open_nft()
         self._router("sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
         if self.proxy_only:
             self._router("ip", "addr", "add", proxy.ADDRESS + "/32", "dev", "lo")
@@ -310,8 +315,25 @@ class SandboxNet:
         net = self.slots.get(self._by_address.get(address, -1))
         return (net.policy, net.resolver) if net is not None else None
 
+    def nft(self, text, json=False):
+        """Run nftables ``text`` in the router's namespace (``libnftables`` in-process, else
+        the ``nft`` program); returns its output (JSON with ``json``).
+
+        Raises:
+            NetError: nftables refused it, or the router is gone.
+        """
+        if self.router is None:
+            raise NetError("the sandbox's router namespace is gone")
+        if self._nft is None:
+            return self._router("nft", *(("-j",) if json else ()), "-f", "-", text=text)
+        try:
+            with entered(*self.router):  # the context was made here; every command runs here
+                return self._nft.run(text, json)
+        except (RuntimeError, OSError) as exc:
+            raise NetError("nft failed: %s" % exc) from None
+
     def _router(self, *argv, text=None):
-        tool = {"ip": self.ip, "nft": self.nft}.get(argv[0], argv[0])
+        tool = {"ip": self.ip, "nft": self.nft_path}.get(argv[0], argv[0])
         return run_in(self.router[0], self.router[1], [tool] + list(argv[1:]), text)
 
     def acquire(self, index):
@@ -335,22 +357,23 @@ class SandboxNet:
             policy = EgressPolicy(self.allow, self.deny, host_addresses=self.host)
             resolver = None
             try:
-                run_in(fd, inode, [self.ip, "link", "set", "lo", "up"])
-                self._router("ip", "-batch", "-", text=(
-                    "link add name {i} type veth peer name eth0 netns /proc/{p}/fd/{f}\n"
-                    "addr add {o}/30 dev {i}\nlink set {i} up\n").format(
-                        i=iface, p=os.getpid(), f=fd, o=ours))
-                run_in(fd, inode, [self.ip, "-batch", "-"], text=(
-                    "addr add %s/30 dev eth0\nlink set eth0 up\nroute add default via %s\n" % (theirs, ours)))
+                with entered(*self.router), Rtnl() as rtnl:  # the router's end
+                    rtnl.veth(iface, "eth0", fd)
+                    rtnl.address(iface, ours, 30)
+                with entered(fd, inode), Rtnl() as rtnl:  # the slot's end
+                    rtnl.up("lo")
+                    rtnl.address("eth0", theirs, 30)
+                    rtnl.up("eth0")
+                    rtnl.default_route(ours)
 
                 def learned(_name, addresses, ttl, index=index):
                     command = nftrules.learn_command(index, addresses, ttl)
                     if command:
-                        self._router("nft", "-f", "-", text=command)
+                        self.nft(command)
 
                 with entered(*self.router):  # its sockets (and threads) in the router
                     resolver = DnsResolver(policy, self.dns, bind=(ours, 53), on_learn=learned).start()
-                self._router("nft", "-f", "-", text=nftrules.slot_ruleset(
+                self.nft(nftrules.slot_ruleset(
                     index, iface, theirs, policy, resolver.address,
                     proxy=(proxy.ADDRESS, proxy.PORT) if self.proxy_only else None))
             except BaseException:
@@ -377,7 +400,7 @@ class SandboxNet:
         if net is None:
             return {"names": 0, "connections": 0}
         try:
-            listing = self._router("nft", "-j", "list", "table", "inet", nftrules.table_name(index))
+            listing = self.nft("list table inet %s" % nftrules.table_name(index), json=True)
             connections = nftrules.refusal_count(listing)
         except (NetError, ValueError):
             connections = 0
@@ -416,18 +439,22 @@ class SandboxNet:
 
     def refusals_of(self, net):
         try:
-            listing = self._router("nft", "-j", "list", "table", "inet", nftrules.table_name(net.index))
+            listing = self.nft("list table inet %s" % nftrules.table_name(net.index), json=True)
             connections = nftrules.refusal_count(listing)
         except (NetError, ValueError):
             connections = 0
         return {"names": net.resolver.refused, "connections": connections + self._proxy_refused(net.index)}
 
     def _drop(self, index, fd):
-        for argv, text in ((["nft", "-f", "-"], nftrules.delete_table(index)),
-                           (["ip", "link", "del", "hs%d" % index], None)):
+        try:
+            self.nft(nftrules.delete_table(index))
+        except NetError:
+            pass  # never made
+        if self.router is not None:
             try:
-                self._router(*argv, text=text)
-            except NetError:
+                with entered(*self.router), Rtnl() as rtnl:
+                    rtnl.delete("hs%d" % index)
+            except OSError:
                 pass  # never made
         os.close(fd)
 
@@ -455,6 +482,9 @@ class SandboxNet:
             self._upstream.kill()
             self._upstream.wait()
             self._upstream = None
+        if self._nft is not None:
+            self._nft.close()
+            self._nft = None
         if self.router is not None:
             os.close(self.router[0])
             self.router = None
