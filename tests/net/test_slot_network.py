@@ -60,6 +60,11 @@ def in_router(router: str, *argv: str) -> str:
                           text=True, check=True, timeout=20).stdout
 
 
+def in_host(*argv: str) -> str:
+    """Run ``argv`` in the host's namespace (read-only listings only)."""
+    return subprocess.run(list(argv), capture_output=True, text=True, check=True, timeout=20).stdout
+
+
 async def probe(backend: Any, slot: Any, *args: str) -> list[str]:
     await backend.execute_batch([(slot, "write_file", {"path": "probe.py", "content": PROBE})])
     r = await bash(backend, slot, "python3 probe.py " + " ".join(args))
@@ -189,8 +194,7 @@ async def test_release_removes_the_slots_network(egress: Any, fakenet: fn.FakeIn
     assert "hmt_slot_" in tables and " hs" in links
     # Made in-process (libnftables, rtnetlink) from the agent's threads: in the router's
     # namespace, none of it in the host's (read-only listings of the host's).
-    host_tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
-    host_links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    host_tables, host_links = in_host("nft", "list", "tables"), in_host("ip", "-o", "link", "show")
     assert "hmt_slot_" not in host_tables and " hs" not in host_links, (host_tables, host_links)
     learned = in_router(router, "nft", "list", "ruleset")
     assert fn.WWW in learned  # www's address is in the slot's learned set

@@ -35,9 +35,9 @@ import subprocess
 import threading
 
 from . import hostaddrs, nftlib, nftrules, proxy
-from .rtnl import Rtnl
 from .policy import EgressPolicy
 from .resolver import DnsResolver
+from .rtnl import Rtnl
 
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
