@@ -21,6 +21,23 @@ case "$level" in
   agents) spec=".[agents-dev]"; venv=.venv-agents; constraints=scripts/constraints-agents.txt ;;
   *) echo "setup: unknown level '$level' (use core, dev or agents)" >&2; exit 2 ;;
 esac
+# network: egress, the default (README, "Network"): the agent sets each slot's namespace
+# up with rtnetlink and libnftables (nftables), the router reaches out through
+# slirp4netns. Installed when missing and running as root on Debian/Ubuntu, whatever the
+# level; without them (or without root) the default becomes network: none, said in status.
+apt_updated=""
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=""
+  for pair in slirp4netns:slirp4netns nft:nftables ip:iproute2; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || missing="$missing ${pair#*:}"
+  done
+  if [ -n "$missing" ]; then
+    echo "setup: installing$missing (apt-get, for network: egress)" >&2
+    apt-get update -q >/dev/null
+    apt_updated=1
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing >/dev/null
+  fi
+fi
 # The image tests (tests/test_images.py) build images with umoci and skopeo from Debian's
 # busybox-static, and a Debian image with mmdebstrap (built once, outside the repo: see
 # hermes_modal_tool/testing/images.py); slots on an image without bash run the host's
@@ -32,19 +49,20 @@ if [ "$level" = dev ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&
   # with a veth pair as a slot's egress path; the host matrix's d13-root cell builds its
   # Debian 13 root filesystem with debootstrap (tests/hosts/rootfs.py).
   for pair in skopeo:skopeo umoci:umoci busybox:busybox-static bash-static:bash-static \
-      mmdebstrap:mmdebstrap slirp4netns:slirp4netns pasta:passt debootstrap:debootstrap; do
+      mmdebstrap:mmdebstrap pasta:passt debootstrap:debootstrap; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing="$missing ${pair#*:}"
   done
   if [ -n "$missing" ]; then
     echo "setup: installing$missing (apt-get, for the image tests)" >&2
-    apt-get update -q >/dev/null
+    [ -n "$apt_updated" ] || apt-get update -q >/dev/null
+    apt_updated=1
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null
   fi
   # The host matrix (tests/hosts/run.py) boots Debian's kernel in qemu; the kernel package
   # itself is downloaded (apt-get download) into its cache, not installed.
   if ! command -v qemu-system-x86_64 >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
     echo "setup: installing qemu-system-x86 (apt-get, for the host matrix)" >&2
-    [ -n "$missing" ] || apt-get update -q >/dev/null
+    [ -n "$apt_updated" ] || apt-get update -q >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
       qemu-system-x86 >/dev/null
   fi
