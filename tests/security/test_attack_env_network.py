@@ -116,9 +116,12 @@ async def test_network_false_has_only_loopback_and_loopback_works(make_backend):
         socket.create_connection(("127.0.0.1", 47613), timeout=1).close()
 
 
-async def test_network_true_shares_the_hosts_network(backend, slot):
-    """Documented behaviour: with ``network: true`` a slot shares the host's network
-    namespace, so it reaches a service listening on the host's loopback."""
+async def test_network_host_shares_the_hosts_network(make_backend):
+    """Documented behaviour: with ``network: host`` (asked for; the default is ``egress``,
+    tests/net/test_network_default.py) a slot shares the host's network namespace, so it
+    reaches a service listening on the host's loopback."""
+    backend = await make_backend(network="host")
+    slot = await backend.acquire("host-network")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -142,10 +145,10 @@ ABSTRACT_SERVE = ("python3 -c 'import socket,sys\ns=socket.socket(socket.AF_UNIX
 
 
 async def test_abstract_unix_sockets_of_the_host_and_of_other_slots_are_out_of_reach(mode_backend):
-    """With ``network: true`` slots share the host's network namespace, and with it the
+    """With ``network: host`` slots share the host's network namespace, and with it the
     abstract UNIX socket namespace. Each slot's shell runs in its own Landlock domain
     scoped for abstract sockets: it reaches its own, never the host's or a neighbour's."""
-    backend = await mode_backend(**SMALL, network=True)
+    backend = await mode_backend(**SMALL, network="host")
     attacker, neighbour = await backend.acquire("attacker"), await backend.acquire("neighbour")
     pool = backend.get_status()["pools"][backend.default_profile]
     assert pool["abstract_sockets"].startswith("scoped"), pool
