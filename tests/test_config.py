@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from hermes_modal_tool import (
     ConfigError,
+    ConfigWarning,
     ModalSandboxConfig,
     ModalToolBackend,
     SandboxConfig,
@@ -451,10 +453,12 @@ def test_profiles_check_lists_every_problem_of_one_profile(tmp_path):
 
 # -- network ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("given_", "mode"), [(True, "host"), (False, "none"), ("egress", "egress"),
-                                              ("none", "none"), ("Host", "host")])
+@pytest.mark.parametrize(("given_", "mode"), [(True, "egress"), (False, "none"), ("egress", "egress"),
+                                              ("none", "none"), ("Host", "host"), ("on", "egress")])
 def test_network_modes_and_aliases(given_, mode):
-    assert SandboxConfig(name="n", network=given_).network == mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)  # true's one-time note (tests/net/test_network_default.py)
+        assert SandboxConfig(name="n", network=given_).network == mode
 
 
 def test_network_from_a_variable_keeps_the_aliases():

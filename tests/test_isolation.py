@@ -285,7 +285,9 @@ async def test_no_network_means_loopback_only(make_backend):
     assert r.output == "lo-ok\n"
 
 
-async def test_network_true_keeps_the_host_interfaces(backend, slot):
+async def test_network_host_keeps_the_host_interfaces(make_backend):
+    backend = await make_backend(network="host")  # asked for: the default is egress
+    slot = await backend.acquire("host-network")
     host_ifaces = host_interfaces()
     r = await bash(backend, slot, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
     assert sorted(r.output.split()) == host_ifaces

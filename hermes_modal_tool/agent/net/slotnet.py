@@ -276,13 +276,16 @@ class SandboxNet:
         fd, inode = self.router = new_netns()
         if inode == _own_inode():  # pragma: no cover - unshare made no new namespace
             raise NetError("the router namespace is the agent's own")
-        with entered(fd, inode):  # the context's netlink socket is the router's
+        with entered(fd, inode):  # sockets made here are the router's, for their whole life
             with Rtnl() as rtnl:
                 rtnl.up("lo")
+                if self.proxy_only:
+                    rtnl.address("lo", proxy.ADDRESS, 32)
             self._nft = nftlib.open_nft()
-        self._router("sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+            # /proc/sys/net is the namespace of the thread that opens it: the router's
+            with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
+                fh.write("1")
         if self.proxy_only:
-            self._router("ip", "addr", "add", proxy.ADDRESS + "/32", "dev", "lo")
             with entered(fd, inode):  # its socket and threads in the router
                 self.proxy = proxy.ForwardProxy(self._slot_of).start()
         if self.upstream == "slirp4netns":
