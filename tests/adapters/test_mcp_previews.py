@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import re
 import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,9 +21,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import httpx2
-from mcp import ClientSession
+from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
-from test_mcp import HttpServer, http_session, start_http_server, stdio_session, text
+from test_mcp import COMMAND, HttpServer, _env, http_session, start_http_server, text
 
 from hermes_modal_tool.mcp_server import MCP_TOOL_SPECS
 
@@ -132,9 +133,17 @@ BAD = [({"port": 0}, "got 0"), ({"port": 65536}, "got 65536"), ({"port": "8000"}
 
 
 async def test_bad_expose_port_arguments_are_tool_errors_naming_the_value() -> None:
-    """Over stdio: each bad argument is a tool error naming it and the value; the session
-    goes on (a good call after them succeeds: the positive control)."""
-    async with stdio_session() as session:
+    """Over stdio (``--preview-host 127.0.0.2``): each bad argument is a tool error naming
+    it and the value; the session goes on (a good call after them succeeds, on the
+    preview host given: the positive control). A preview host that is not an IP address
+    stops the command with its name."""
+    bad_host = await asyncio.to_thread(
+        subprocess.run, [COMMAND, "mcp", "--preview-host", "localhost"], env=_env(), capture_output=True,
+        text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert bad_host.returncode != 0 and "--preview-host" in bad_host.stderr and "'localhost'" in bad_host.stderr
+    params = StdioServerParameters(command=COMMAND, args=["mcp", "--preview-host", "127.0.0.2"], env=_env())
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
         for args, named in BAD:
             r = await session.call_tool("expose_port", args)
             assert r.is_error and "invalid arguments for expose_port" in text(r) and named in text(r), (
@@ -142,4 +151,5 @@ async def test_bad_expose_port_arguments_are_tool_errors_naming_the_value() -> N
         bad = await session.call_tool("unexpose_port", {"port": -1})
         assert bad.is_error and "got -1" in text(bad), text(bad)
         ok = await session.call_tool("expose_port", {"port": 8000})
-        assert not ok.is_error and listens(ok.structured_content["url"]), text(ok)
+        assert not ok.is_error and ok.structured_content["url"].startswith("http://127.0.0.2:"), text(ok)
+        assert listens(ok.structured_content["url"])
