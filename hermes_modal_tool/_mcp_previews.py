@@ -21,6 +21,7 @@ which the session already controls, and dies with the session.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -97,6 +98,7 @@ class SessionPreviews:
         self.backend: ToolBackend = sessions.backend
         self.host = check_host(host, "--preview-host")
         self._held: dict[str, dict[int, Preview]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def call(self, key: str, tool: str, args: dict[str, Any],
                    profile: str | None) -> tuple[str, dict[str, Any]]:
@@ -107,6 +109,11 @@ class SessionPreviews:
             HermesModalToolError: no slot (a busy pool, a lost sandbox), a bad preview host.
             OSError: the listener cannot bind.
         """
+        async with self._locks.setdefault(key, asyncio.Lock()):  # one preview per port
+            return await self._call(key, tool, args, profile)
+
+    async def _call(self, key: str, tool: str, args: dict[str, Any],
+                    profile: str | None) -> tuple[str, dict[str, Any]]:
         slot = await self.sessions.slot(key, profile)
         held = self._held.setdefault(key, {})
         for port in [p for p, preview in held.items() if preview.revoked or preview.slot_id != slot.slot_id]:
@@ -131,6 +138,7 @@ class SessionPreviews:
     def forget(self, key: str) -> None:
         """Drop ``key``'s previews from the map (its slot's release revokes them)."""
         self._held.pop(key, None)
+        self._locks.pop(key, None)
 
 
 def _exposed_text(result: dict[str, Any]) -> str:

@@ -104,11 +104,16 @@ async def test_expose_port_ticket_cookie_token_401_and_revoked_at_session_end(tm
             assert again.structured_content["token"] == found["token"]
             assert again.structured_content["ticket_url"] != found["ticket_url"]
             assert listens(found["url"])
+            other = await session.call_tool("expose_port", {"port": 9001})  # nothing listens: fine
+            assert listens(other.structured_content["url"]), text(other)
             r = await session.call_tool("unexpose_port", {"port": 8000})
             assert not r.is_error and r.structured_content == {"revoked": [8000]}, text(r)
             assert not listens(found["url"])
             r = await session.call_tool("unexpose_port", {"port": 8000})
             assert r.structured_content == {"revoked": []} and "8000 was not exposed" in text(r)
+            r = await session.call_tool("unexpose_port", {})  # all: 9001 was left
+            assert r.structured_content == {"revoked": [9001]}, text(r)
+            assert not listens(other.structured_content["url"])
             last = await expose_and_wait(session, 8000, "/")
             assert last["token"] != found["token"] and listens(last["url"])
         deadline = time.monotonic() + 20  # the session ended: its slot is released, previews too
