@@ -2,7 +2,8 @@
 
 ``hermes-modal-tool mcp`` serves ``bash``, ``read_file`` and ``write_file`` (their
 names, descriptions and argument schemas from :data:`hermes_modal_tool.tools.TOOL_SPECS`,
-the contract every adapter shares) plus ``list_files``, over stdio (for desktop
+the contract every adapter shares) plus ``list_files``, and ``expose_port`` /
+``unexpose_port`` (previews of the slot's ports: :mod:`._mcp_previews`), over stdio (for desktop
 clients: Claude Desktop, Cursor, Codex) or streamable HTTP on 127.0.0.1. It is built
 on the official ``mcp`` Python SDK (its low-level ``Server``), installed with the
 ``mcp`` extra.
@@ -51,9 +52,11 @@ from typing import Any
 import click
 
 from ._mcp_auth import BearerAuth, new_token, read_token_file, write_token_file
+from ._mcp_previews import PREVIEW_TOOL_SPECS, SessionPreviews
 from .backend import ToolBackend
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
 from .errors import HermesModalToolError
+from .previews import check_host
 from .sessions import SlotSessions
 from .slots import ExecutionResult
 from .tools import LIST_FILES_SPEC, TOOL_SPECS, ToolSpec, read_file_text
@@ -63,7 +66,7 @@ __all__ = ["SlotToolServer", "mcp_command"]
 log = logging.getLogger(__name__)
 
 #: The tools served, in the order ``tools/list`` gives them.
-MCP_TOOL_SPECS: dict[str, ToolSpec] = {**TOOL_SPECS, LIST_FILES_SPEC.name: LIST_FILES_SPEC}
+MCP_TOOL_SPECS: dict[str, ToolSpec] = {**TOOL_SPECS, LIST_FILES_SPEC.name: LIST_FILES_SPEC, **PREVIEW_TOOL_SPECS}
 DEFAULT_IDLE_LIFETIME_S = 3600.0
 _KEY = "hermes_modal_tool.slot_key"
 
@@ -78,6 +81,12 @@ class SlotToolServer:
             default: the profile's ``execution_timeout_s``).
         idle_lifetime_s: release a session's slot after this many seconds
             without a call (None: only when the session ends).
+        preview_host: the host address ``expose_port``'s previews listen on (an IP
+            address literal; default 127.0.0.1).
+
+    Raises:
+        ConfigError: an unknown ``profile``.
+        UsageError: ``preview_host`` is not an IP address literal.
 
     Example:
         >>> server = SlotToolServer(backend)  # doctest: +SKIP
@@ -86,13 +95,15 @@ class SlotToolServer:
 
     def __init__(self, backend: ToolBackend, *, profile: str | None = None,
                  timeout_s: float | None = None,
-                 idle_lifetime_s: float | None = DEFAULT_IDLE_LIFETIME_S) -> None:
+                 idle_lifetime_s: float | None = DEFAULT_IDLE_LIFETIME_S,
+                 preview_host: str = "127.0.0.1") -> None:
         backend.profile(profile)  # ConfigError now, not at the first call
         self.backend = backend
         self.profile = profile
         self.timeout_s = timeout_s
         self.idle_lifetime_s = idle_lifetime_s
         self.sessions = SlotSessions(backend)
+        self.previews = SessionPreviews(self.sessions, preview_host)
         self._busy: collections.Counter[str] = collections.Counter()
         self._shared_key: str | None = None
         self.server = self._build()
@@ -127,12 +138,21 @@ class SlotToolServer:
         except ValidationError as exc:
             return _error(f"invalid arguments for {spec.name}: {_first_errors(exc)}")
         key = self._key(ctx)
+        if spec.name in PREVIEW_TOOL_SPECS and self._shared_key is None and (
+                getattr(ctx.session._connection, "session_id", None) is None):
+            return _error(f"{spec.name} needs an MCP session: a request sent on its own (no session) "
+                          "gets a slot that is released, with its previews, once it is answered")
         self._busy[key] += 1
         try:
+            if spec.name in PREVIEW_TOOL_SPECS:
+                said, found = await self.previews.call(key, spec.name, args, self.profile)
+                return types.CallToolResult(content=[types.TextContent(text=said)], structured_content=found)
             result = await self.sessions.execute(key, spec.name, args, timeout_s=self.timeout_s,
                                                  profile=self.profile)
         except HermesModalToolError as exc:  # a busy pool, a lost sandbox, a bad profile
             return _error(f"{type(exc).__name__}: {exc}")
+        except OSError as exc:  # a preview's listener that cannot bind
+            return _error(f"{spec.name}: the preview cannot listen: {exc.strerror or exc}")
         finally:
             self._busy[key] -= 1
             if not self._busy[key]:
@@ -154,6 +174,7 @@ class SlotToolServer:
         return key
 
     async def _release(self, key: str) -> None:
+        self.previews.forget(key)  # the release revokes them
         try:
             await self.sessions.close(key)
         except Exception as exc:  # logged: a release that failed must not hide the session's end
@@ -263,7 +284,10 @@ def _error(text: str) -> Any:
 
 
 def _first_errors(exc: Any) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors())
+    """Each argument's problem and the value given (``port: Input should be ... (got 0)``)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}"
+                     + ("" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r:.80})")
+                     for e in exc.errors())
 
 
 def _format(tool: str, r: ExecutionResult) -> Any:
@@ -324,11 +348,15 @@ def build_backend(driver: str, profiles_file: str | None, profile: str | None) -
 @click.option("--token-file", type=click.Path(dir_okay=False),
               help="http: the bearer token clients must send, read from this file (mode 0600); "
                    "default: a new token per start, printed once and written to a 0600 file.")
+@click.option("--preview-host", default="127.0.0.1", show_default=True,
+              help="The host address expose_port's preview URLs listen on (an IP address).")
 @click.option("--no-auth", is_flag=True,
               help="http: accept requests without a token (any local user then runs commands in slots).")
 def mcp_command(transport: str, port: int, profiles_file: str | None, profile: str | None, driver: str,
-                timeout: float | None, idle_lifetime: float, token_file: str | None, no_auth: bool) -> None:
-    """Serve bash, read_file, write_file and list_files over MCP, one slot per session.
+                timeout: float | None, idle_lifetime: float, token_file: str | None, preview_host: str,
+                no_auth: bool) -> None:
+    """Serve bash, read_file, write_file, list_files and expose_port/unexpose_port over MCP,
+    one slot per session.
 
     stdio: add to a client's config, e.g. {"mcpServers": {"sandbox": {"command":
     "hermes-modal-tool", "args": ["mcp"]}}}. http: clients connect to
@@ -345,6 +373,7 @@ def mcp_command(transport: str, port: int, profiles_file: str | None, profile: s
     token: str | None = None
     written: list[Path] = []
     try:
+        check_host(preview_host, "--preview-host")
         if transport == "http" and not no_auth:
             token = read_token_file(token_file) if token_file else new_token()
         backend, name = build_backend(driver, profiles_file, profile)
@@ -365,7 +394,8 @@ def mcp_command(transport: str, port: int, profiles_file: str | None, profile: s
                        f"(the token is also in {written[0]}, mode 0600)", err=True)
 
     async def run() -> None:
-        server = SlotToolServer(backend, profile=name, timeout_s=timeout, idle_lifetime_s=idle_lifetime)
+        server = SlotToolServer(backend, profile=name, timeout_s=timeout, idle_lifetime_s=idle_lifetime,
+                                preview_host=preview_host)
         try:
             if transport == "stdio":
                 main = asyncio.current_task()

@@ -21,6 +21,7 @@ P = "hermes_modal_tool."
 #: The layers, top to bottom; a module may import its own layer and the ones below.
 LAYERS = [
     ("front", ["hermes_modal_tool", P + "__main__", P + "adapters", P + "cli", P + "mcp_server", P + "_mcp_auth",
+               P + "_mcp_previews",
                P + "testing"]),
     ("sessions/backend", [P + m for m in (
         "sessions", "capture", "backend", "_artifact_api", "_snapshot_api", "_status_api", "_call_api",

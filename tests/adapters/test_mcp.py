@@ -116,7 +116,8 @@ async def http_session(server: HttpServer) -> AsyncIterator[ClientSession]:
 
 async def check_tools_and_shell(session: ClientSession) -> None:
     listed = await session.list_tools()
-    assert [t.name for t in listed.tools] == ["bash", "read_file", "write_file", "list_files"]
+    assert [t.name for t in listed.tools] == ["bash", "read_file", "write_file", "list_files", "expose_port",
+                                             "unexpose_port"]
     for tool in listed.tools:
         spec = MCP_TOOL_SPECS[tool.name]
         assert tool.description == spec.description
