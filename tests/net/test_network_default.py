@@ -124,8 +124,6 @@ print(json.dumps(out))
 def test_an_agent_that_is_not_root_degrades_the_default_and_refuses_explicit_egress(tmp_path: Path) -> None:
     import json
 
-    if not shutil.which("nft") or not shutil.which("ip"):
-        raise AssertionError("ip and nft must be installed (scripts/setup.sh) for network: egress")
     copy = tmp_path / "src"  # readable by nobody wherever the checkout is
     shutil.copytree(REPO / "hermes_modal_tool" / "agent", copy / "hermes_modal_tool" / "agent")
     (copy / "hermes_modal_tool" / "__init__.py").write_text("")

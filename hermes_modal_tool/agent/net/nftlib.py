@@ -4,7 +4,7 @@ Stdlib-only, Python 3.8 (``ctypes``). An ``nft`` process costs 10 to 25 ms; the 
 call about a millisecond, which is what a slot's namespace set-up, its release and
 every name its resolver lets through (one rule update each) pay. A context is made,
 and every command run, with the calling thread inside the router's namespace
-(:func:`.slotnet.entered`, which checks it first): the library's netlink socket is
+(:func:`.netns.entered`, which checks it first): the library's netlink socket is
 opened there and acts on that namespace only. Where the library cannot be loaded,
 :func:`open_nft` returns None and the caller runs the ``nft`` program instead.
 """

@@ -5,7 +5,7 @@ add``, ``ip link set up``, ``ip route add default via`` and ``ip link del`` do, 
 a process each (an ``ip`` process costs 10 to 20 ms; a message here a few µs). A
 :class:`Rtnl` socket belongs to the network namespace of the thread that opened it
 (the kernel binds a netlink socket to its creator's namespace for its whole life), so
-it is opened inside :func:`.slotnet.entered`, which checks the namespace first, and
+it is opened inside :func:`.netns.entered`, which checks the namespace first, and
 acts on that namespace only, whichever thread uses it afterwards.
 """
 

@@ -27,28 +27,16 @@ removes a slot's table, veth pair and resolver and drops its namespace;
 """
 
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import threading
 
 from . import hostaddrs, nftlib, nftrules, proxy
+from .netns import TOOL_PATH, NetError, entered, new_netns, own_inode, pdeathsig, run_in
 from .policy import EgressPolicy
 from .resolver import DnsResolver
 from .rtnl import Rtnl
-
-CLONE_NEWNET = 0x40000000
-PR_SET_PDEATHSIG = 1
-#: Exit status of a command that did not find itself in the namespace it was meant for.
-WRONG_NAMESPACE = 121
-_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class NetError(RuntimeError):
-    """Raised when a slot's network cannot be set up (a tool missing, a command failed)."""
 
 
 def network_mode(value):
@@ -66,91 +54,11 @@ def network_mode(value):
 
 
 def _tool(name):
-    path = shutil.which(name, path=_PATH + ":" + os.environ.get("PATH", ""))
+    path = shutil.which(name, path=TOOL_PATH + ":" + os.environ.get("PATH", ""))
     if path is None:
-        raise NetError("network: egress needs %r (iproute2/nftables) on the sandbox's PATH" % name)
+        raise NetError("network: egress needs %r on the sandbox's PATH (Debian: apt-get install "
+                       "%s)" % (name, {"nft": "nftables"}.get(name, name)))
     return path
-
-
-def new_netns():
-    """A new network namespace (owned by the caller's user namespace), made in a
-    throwaway thread; returns ``(fd, inode)``, the descriptor holding it.
-
-    Raises:
-        OSError: the kernel refused (no ``CAP_SYS_ADMIN``, namespaces disabled).
-    """
-    out = []
-
-    def make():
-        try:
-            if _libc.unshare(CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
-            fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            out.append((fd, os.fstat(fd).st_ino))
-        except OSError as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=make, name="hmt-netns")
-    thread.start()
-    thread.join()
-    if isinstance(out[0], OSError):
-        raise out[0]
-    return out[0]
-
-
-def _own_inode():
-    return os.stat("/proc/thread-self/ns/net").st_ino
-
-
-@contextlib.contextmanager
-def entered(fd, inode):
-    """Move the calling thread into the namespace held by ``fd`` (inode ``inode``) for
-    the ``with`` block, and back. Threads it starts meanwhile stay in that namespace.
-
-    Raises:
-        OSError: ``setns`` failed, or the thread is not in the namespace after it.
-    """
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET)")
-        try:
-            if _own_inode() != inode:
-                raise OSError("setns left the thread outside the namespace %d" % inode)
-            yield
-        finally:
-            if _libc.setns(home, CLONE_NEWNET) != 0:  # pragma: no cover - it let us in
-                raise OSError(ctypes.get_errno(), "setns back to the agent's namespace")
-    finally:
-        os.close(home)
-
-
-def run_in(fd, inode, argv, text=None, timeout=15):
-    """Run ``argv`` in the namespace held by ``fd`` (inode ``inode``); returns its stdout.
-
-    The child enters the namespace and checks its inode before exec: a child that is
-    anywhere else exits :data:`WRONG_NAMESPACE` without running ``argv``.
-
-    Raises:
-        NetError: the command failed (its stderr in the message).
-    """
-    def enter():
-        if _libc.setns(fd, CLONE_NEWNET) != 0 or os.stat("/proc/self/ns/net").st_ino != inode:
-            os._exit(WRONG_NAMESPACE)
-
-    proc = subprocess.run(argv, input=text, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True, preexec_fn=enter, timeout=timeout,
-                          env={"PATH": _PATH})
-    if proc.returncode != 0:
-        raise NetError("%s failed (%d)%s: %s" % (
-            " ".join(argv[:4]), proc.returncode,
-            " (not in its namespace)" if proc.returncode == WRONG_NAMESPACE else "",
-            proc.stderr.strip()[-500:]))
-    return proc.stdout
-
-
-def _pdeathsig():
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 #: slirp4netns's own resolver (it forwards to the host's, loopback ones included).
@@ -255,7 +163,7 @@ class SandboxNet:
         self._lock = threading.Lock()
         self._upstream = None
         self._nft = None  # nftlib.Nft made in the router (None: the nft program)
-        self.ip, self.nft_path = _tool("ip"), _tool("nft")
+        self.nft_path = None  # the nft program, where libnftables is missing
         self.refused_released = 0  # refusals of slots already released
         self._released_counts = {}  # index -> the last tenant's refusals, until its reset answers
 
@@ -274,7 +182,7 @@ class SandboxNet:
         if self.dns is None:
             raise NetError("network: egress has no resolver to ask: set egress.dns in the profile")
         fd, inode = self.router = new_netns()
-        if inode == _own_inode():  # pragma: no cover - unshare made no new namespace
+        if inode == own_inode():  # pragma: no cover - unshare made no new namespace
             raise NetError("the router namespace is the agent's own")
         with entered(fd, inode):  # sockets made here are the router's, for their whole life
             with Rtnl() as rtnl:
@@ -282,6 +190,8 @@ class SandboxNet:
                 if self.proxy_only:
                     rtnl.address("lo", proxy.ADDRESS, 32)
             self._nft = nftlib.open_nft()
+        if self._nft is None:
+            self.nft_path = _tool("nft")  # NetError naming the package when it is missing too
             # /proc/sys/net is the namespace of the thread that opens it: the router's
             with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
                 fh.write("1")
@@ -298,7 +208,7 @@ class SandboxNet:
                     [_tool("slirp4netns"), "--configure", "--disable-host-loopback", "--mtu", "65520",
                      "--ready-fd", str(ready_w), "--netns-type=path", "/proc/self/fd/%d" % fd, "tap0"],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                    pass_fds=(fd, ready_w), preexec_fn=_pdeathsig)
+                    pass_fds=(fd, ready_w), preexec_fn=pdeathsig)
                 os.close(ready_w)
                 ready_w = None
                 ready = os.read(ready_r, 1)  # "1" once tap0 is configured; EOF if it died
@@ -328,16 +238,13 @@ class SandboxNet:
         if self.router is None:
             raise NetError("the sandbox's router namespace is gone")
         if self._nft is None:
-            return self._router("nft", *(("-j",) if json else ()), "-f", "-", text=text)
+            return run_in(self.router[0], self.router[1],
+                          [self.nft_path, *(("-j",) if json else ()), "-f", "-"], text)
         try:
             with entered(*self.router):  # the context was made here; every command runs here
                 return self._nft.run(text, json)
         except (RuntimeError, OSError) as exc:
             raise NetError("nft failed: %s" % exc) from None
-
-    def _router(self, *argv, text=None):
-        tool = {"ip": self.ip, "nft": self.nft_path}.get(argv[0], argv[0])
-        return run_in(self.router[0], self.router[1], [tool] + list(argv[1:]), text)
 
     def acquire(self, index):
         """Slot ``index``'s namespace, set up on first use; returns its :class:`SlotNet`.

@@ -26,7 +26,7 @@ import itertools
 import os
 import socket
 
-from .slotnet import entered
+from .netns import entered
 
 #: Bytes in one ``read`` answer (one binary frame).
 CHUNK_BYTES = 64 * 1024
