@@ -24,8 +24,8 @@ Figures per path (each the median of ``--rounds`` runs):
   of ``--connects`` in a row, in one process);
 - ``MBps``: one connection downloading ``--mb`` MiB from the byte source;
 - ``setup_ms``: making the slot's namespace and wiring its egress (here with ``unshare``,
-  ``ip -batch`` and ``nft`` processes; the agent would use netlink and do it once per
-  slot, not per command); pasta's is inside its ``first_ms``, as it makes the
+  ``ip -batch`` and ``nft`` processes; the agent does it in-process, with rtnetlink and
+  libnftables, once per slot, not per command: see the wired path's ``start_ms``); pasta's is inside its ``first_ms``, as it makes the
   namespace when it starts the command;
 - ``first_ms``: a finished ``curl`` of the fake web server in a new process in the
   ready namespace; ``1st +ms`` is the difference to the host's: what a first command
