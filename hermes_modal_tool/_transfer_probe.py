@@ -60,7 +60,7 @@ async def stream_speed(backend: BackendView, slot: Slot, nbytes: int) -> dict[st
                 inflight.append(asyncio.ensure_future(wire._ask(sb, {"op": "download", "stream": sid}, what)))
             reply = await inflight.popleft()
             got += len(reply.get("blob", b""))
-            if reply.get("eof"):
+            if reply.get("eof") or got > nbytes:
                 break
     finally:
         await wire._cancel(inflight)

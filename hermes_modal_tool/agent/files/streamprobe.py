@@ -67,7 +67,7 @@ class Probe:
                     return
             mid = self.waiting.pop(0)
             n = min(self.left, CHUNK_BYTES)
-            if not n:
+            if n <= 0:
                 agent.send({"id": mid, "ok": True, "result": {"eof": True, "bytes": self.moved}, "blob": b""})
                 continue
             block = _block()
