@@ -4,9 +4,12 @@ in the stream's own thread, at most ``READ_AHEAD`` ahead of the host (see :mod:`
 Stdlib-only, Python 3.8.
 """
 
+import array
 import collections
+import fcntl
 import os
 import stat
+import termios
 import threading
 
 from . import tarstream
@@ -14,6 +17,8 @@ from .streambase import CHUNK_BYTES, READ_AHEAD, Stream, StreamError, streams_of
 
 #: Bytes of frames the agent may have queued for the host before a download chunk waits.
 BULK_BACKLOG = 256 * 1024
+#: ... and bytes of those and of the pipe to the host not yet read (two chunks).
+PIPE_BACKLOG = 512 * 1024
 #: Seconds before a chunk held back looks again.
 BULK_RETRY_S = 0.001
 
@@ -22,19 +27,43 @@ def hold_back(agent, again):
     """None when a download chunk may be queued for the host now; else the handle of
     ``again`` called later. A chunk waits while more than :data:`BULK_BACKLOG` bytes of
     frames wait in this process (the transport's buffer and the frames of this loop
-    pass), so that a neighbour's result is never behind more than that of a transfer.
-    When those are frames of this pass, about to be written (the flush is due at once),
-    it looks again right after the flush (before, it waited :data:`BULK_RETRY_S` each
-    time: one chunk per millisecond at most, 145 MB/s by the stream probe where 536 came
-    without the wait); while the pipe to the host is full it looks every
-    :data:`BULK_RETRY_S`."""
+    pass), or more than :data:`PIPE_BACKLOG` there and in the pipe to the host, so that
+    a neighbour's result is never behind more than that of a transfer. When those are
+    frames of this pass, about to be written (the flush is due at once), it looks again
+    right after the flush (before, it waited :data:`BULK_RETRY_S` each time: one chunk
+    per millisecond at most, 145 MB/s by the stream probe where 536 came without the
+    wait); else every :data:`BULK_RETRY_S`, and at the host's next request (it asks for
+    a chunk when it has taken one out of the pipe)."""
     buffered = agent.out.get_write_buffer_size()
     queued = sum(len(frame) for frame in agent.outbox)
-    if buffered + queued < BULK_BACKLOG:
+    if buffered + queued < BULK_BACKLOG and buffered + queued + _in_pipe(agent) < PIPE_BACKLOG:
         return None
     if buffered < BULK_BACKLOG and agent.flush_soon:
         return agent.loop.call_soon(again)
     return agent.loop.call_later(BULK_RETRY_S, again)
+
+
+def _in_pipe(agent):
+    """Bytes written to the pipe to the host and not yet read by it (``FIONREAD``); 0
+    where the agent's stdout is no pipe."""
+    fd = getattr(agent, "out_pipe_fd", None)
+    if fd is None:
+        fd = -1
+        pipe = agent.out.get_extra_info("pipe")
+        try:
+            if pipe is not None and stat.S_ISFIFO(os.fstat(pipe.fileno()).st_mode):
+                fd = pipe.fileno()
+        except (OSError, ValueError):
+            pass
+        agent.out_pipe_fd = fd
+    if fd < 0:
+        return 0
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, count)
+    except OSError:
+        return 0
+    return count[0]
 
 
 class Download(Stream):
@@ -59,6 +88,8 @@ class Download(Stream):
             self.agent.send({"id": mid, "ok": True, "result": {}})
             return
         self.waiting.append(mid)
+        if self.retry is not None:  # the host took a chunk: look now (hold_back)
+            self.retry.cancel()
         self._pair()
 
     def _offer(self, item):

@@ -54,8 +54,9 @@ class Probe:
             self.agent.send({"id": mid, "ok": True, "result": {"written": self.moved}})
             return
         self.waiting.append(mid)
-        if self.retry is None:
-            self._pair()
+        if self.retry is not None:  # the host took a chunk: look now (streamout.hold_back)
+            self.retry.cancel()
+        self._pair()
 
     def _pair(self):
         self.retry = None
