@@ -2,7 +2,9 @@
 
 A file moves in chunks of :data:`CHUNK_BYTES`, each a *binary frame* on the sandbox's
 existing stream (``protocol``: the bytes as they are, no base64, no JSON), at most
-:data:`DEPTH` in flight: that is the flow control, and it bounds memory on both ends.
+:data:`DEPTH` in flight: that is the flow control, and it bounds memory on both ends
+(on the host at most ``3 * DEPTH`` chunks per transfer: the window, a batch of
+:data:`~._transfer_wire.READ_BATCH` being read or written, and the next one).
 On each end the file is read or written, and hashed, in a thread (the host's worker
 threads; a thread of the transfer's own in the agent, ``agent/files/streams.py``),
 never on an event loop, so a transfer does not stall the calls of the other slots.

@@ -15,28 +15,30 @@ import threading
 from . import tarstream
 from .streambase import CHUNK_BYTES, READ_AHEAD, Stream, StreamError, streams_of, text_of
 
-#: Bytes of frames the agent may have queued for the host before a download chunk waits.
+#: Bytes of frames waiting for the host (in the agent and in the pipe, not yet read) at
+#: which a download chunk waits: a neighbour's result waits behind less than two chunks.
+PIPE_BACKLOG = 256 * 1024
+#: Bytes in the transport's own buffer past which a held chunk looks again only after
+#: :data:`BULK_RETRY_S` (or at the host's next request), not right after the flush.
 BULK_BACKLOG = 256 * 1024
-#: ... and bytes of those and of the pipe to the host not yet read (two chunks).
-PIPE_BACKLOG = 512 * 1024
 #: Seconds before a chunk held back looks again.
 BULK_RETRY_S = 0.001
 
 
 def hold_back(agent, again):
     """None when a download chunk may be queued for the host now; else the handle of
-    ``again`` called later. A chunk waits while more than :data:`BULK_BACKLOG` bytes of
-    frames wait in this process (the transport's buffer and the frames of this loop
-    pass), or more than :data:`PIPE_BACKLOG` there and in the pipe to the host, so that
-    a neighbour's result is never behind more than that of a transfer. When those are
-    frames of this pass, about to be written (the flush is due at once), it looks again
-    right after the flush (before, it waited :data:`BULK_RETRY_S` each time: one chunk
-    per millisecond at most, 145 MB/s by the stream probe where 536 came without the
-    wait); else every :data:`BULK_RETRY_S`, and at the host's next request (it asks for
-    a chunk when it has taken one out of the pipe)."""
+    ``again`` called later. A chunk waits while :data:`PIPE_BACKLOG` bytes or more of
+    frames wait for the host (in the transport's buffer, among the frames of this loop
+    pass, and in the pipe, not yet read), so that a neighbour's result is never behind
+    more than that and one chunk of a transfer. When the frames of this pass are about
+    to be written (the flush is due at once), it looks again right after the flush
+    (before, it waited :data:`BULK_RETRY_S` each time: one chunk per millisecond at most,
+    145 MB/s by the stream probe where 536 came without the wait); else at the host's
+    next request (it asks for a chunk when it has taken one out of the pipe), and every
+    :data:`BULK_RETRY_S`."""
     buffered = agent.out.get_write_buffer_size()
     queued = sum(len(frame) for frame in agent.outbox)
-    if buffered + queued < BULK_BACKLOG and buffered + queued + _in_pipe(agent) < PIPE_BACKLOG:
+    if buffered + queued + _in_pipe(agent) < PIPE_BACKLOG:
         return None
     if buffered < BULK_BACKLOG and agent.flush_soon:
         return agent.loop.call_soon(again)
