@@ -1,6 +1,8 @@
 """Streamed transfer: MB/s of ``backend.upload`` and ``backend.download`` of one large file
-against ``cp`` of the same file on the same disk, and a neighbour slot's ``echo`` round
-trip (median, p99) meanwhile.
+against two peers measured in the same run: ``cp`` of the same file on the same disk, and
+the *stream* itself (the same bytes in the same frames and window between the host and the
+agent, with no file, thread or checksum on either end: ``_transfer_probe.stream_speed``),
+and a neighbour slot's ``echo`` round trip (median, p99) meanwhile.
 
 One sandbox, two slots: the *neighbour* runs ``echo hi`` back to back while the other
 slot's file moves; a baseline of the neighbour alone is measured in the same run. The
@@ -31,6 +33,7 @@ from _machine import machine  # noqa: E402
 from _proc import quantile  # noqa: E402
 
 from hermes_modal_tool import SandboxConfig, ToolBackend  # noqa: E402
+from hermes_modal_tool._transfer_probe import stream_speed  # noqa: E402
 
 
 async def echo_loop(backend: ToolBackend, slot: Any, stop: asyncio.Event, out: list[float]) -> None:
@@ -92,6 +95,9 @@ async def main(mb: int) -> dict[str, Any]:
                 backend, neighbour, lambda: backend.upload(heavy, src, "big.bin"))
             down_s, out["neighbour_during_download"] = await with_neighbour(
                 backend, neighbour, lambda: backend.download(heavy, "big.bin", back))
+            speed = await stream_speed(backend, heavy, size)
+            out["stream_up_MBps"] = round(speed["up_MBps"], 1)
+            out["stream_down_MBps"] = round(speed["down_MBps"], 1)
             out["upload_MBps"] = round(size / 1e6 / up_s, 1)
             out["download_MBps"] = round(size / 1e6 / down_s, 1)
             out["round_trip_equal"] = await asyncio.to_thread(
@@ -112,6 +118,8 @@ if __name__ == "__main__":
         result["label"] = args.label
     print(f"{args.mb} MiB: upload {result['upload_MBps']} MB/s, download {result['download_MBps']} MB/s, "
           f"cp {result['cp_MBps']} MB/s; round trip equal: {result['round_trip_equal']}")
+    print(f"  stream (same frames and window, no file, thread or checksum): up {result['stream_up_MBps']} MB/s, "
+          f"down {result['stream_down_MBps']} MB/s")
     for key in ("neighbour_alone", "neighbour_during_upload", "neighbour_during_download"):
         n = result[key]
         print(f"  {key}: {n['echoes']} echoes, p50 {n['p50_ms']} ms, p99 {n['p99_ms']} ms, max {n['max_ms']} ms"

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 256 * 1024
 #: Chunks in flight at once per transfer.
 DEPTH = 4
+#: Chunks of a local file read (and hashed) per worker-thread hand-off on upload.
+READ_BATCH = 4
 #: Seconds the agent has to answer one chunk (or to open, or to finish a stream).
 CHUNK_WAIT_S = 300.0
 
@@ -133,9 +135,18 @@ async def _cancel(inflight: deque[asyncio.Future]) -> None:
 
 async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: str) -> dict[str, Any]:
     """Ask for the chunks of download stream ``sid`` (at most :data:`DEPTH` ahead) and hand
-    each to ``sink`` in a worker thread, in order; return the last result (``eof``). The
+    them to ``sink`` in worker threads, in order, every chunk that has come in by then in
+    one hand-off (at most :data:`DEPTH`), written while the next ones come; return the last
+    result (``eof``). Memory: the window, the chunks waiting, the chunks being written. The
     stream is closed at the end."""
     inflight: deque[asyncio.Future] = deque()
+    waiting: list[bytes] = []
+    writing: asyncio.Future | None = None
+
+    def write_all(blobs: list[bytes]) -> None:
+        for blob in blobs:
+            sink(blob)
+
     try:
         while True:
             while len(inflight) < DEPTH:
@@ -143,11 +154,21 @@ async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: st
             got = await inflight.popleft()
             blob = got.pop("blob", b"")
             if blob:
-                await asyncio.to_thread(sink, blob)
-            if got.get("eof"):
+                waiting.append(blob)
+            eof = bool(got.get("eof"))
+            if writing is not None and (writing.done() or eof or len(waiting) >= DEPTH):
+                await writing
+                writing = None
+            if waiting and writing is None:
+                writing = asyncio.ensure_future(asyncio.to_thread(write_all, waiting))
+                waiting = []
+            if eof:
+                if writing is not None:
+                    await writing
+                    writing = None
                 return got
     finally:
         await _cancel(inflight)
+        if writing is not None:  # stopped early: let the write end before the file closes
+            await asyncio.gather(writing, return_exceptions=True)
         await _close(sb, "download", sid)
-
-

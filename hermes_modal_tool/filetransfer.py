@@ -2,7 +2,9 @@
 
 A file moves in chunks of :data:`CHUNK_BYTES`, each a *binary frame* on the sandbox's
 existing stream (``protocol``: the bytes as they are, no base64, no JSON), at most
-:data:`DEPTH` in flight: that is the flow control, and it bounds memory on both ends.
+:data:`DEPTH` in flight: that is the flow control, and it bounds memory on both ends
+(on the host at most ``3 * DEPTH`` chunks per transfer: the window, a batch of
+:data:`~._transfer_wire.READ_BATCH` being read or written, and the next one).
 On each end the file is read or written, and hashed, in a thread (the host's worker
 threads; a thread of the transfer's own in the agent, ``agent/files/streams.py``),
 never on an event loop, so a transfer does not stall the calls of the other slots.
@@ -25,6 +27,7 @@ local file holding the first N bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import os
@@ -56,17 +59,31 @@ if TYPE_CHECKING:
     from .sandbox import Sandbox
 
 async def _file_chunks(fh: IO[bytes], digest: hashlib._Hash, sent: list[int]) -> AsyncIterator[bytes]:
-    def next_chunk() -> bytes:
-        piece = fh.read(CHUNK_BYTES)
-        digest.update(piece)
-        return piece
+    """The rest of ``fh`` in chunks of :data:`CHUNK_BYTES`, read and hashed in worker
+    threads :data:`~._transfer_wire.READ_BATCH` chunks per hand-off (one thread hop per
+    batch, not per chunk), the next batch read while this one is sent: at most two
+    batches held besides the window."""
+    def next_batch() -> list[bytes]:
+        batch: list[bytes] = []
+        for _ in range(wire.READ_BATCH):
+            piece = fh.read(CHUNK_BYTES)
+            if not piece:
+                break
+            digest.update(piece)
+            batch.append(piece)
+        return batch
 
-    while True:
-        piece = await asyncio.to_thread(next_chunk)
-        if not piece:
-            return
-        sent[0] += len(piece)
-        yield piece
+    ahead: asyncio.Future[list[bytes]] | None = asyncio.ensure_future(asyncio.to_thread(next_batch))
+    try:
+        while ahead is not None:
+            batch = await ahead
+            ahead = asyncio.ensure_future(asyncio.to_thread(next_batch)) if len(batch) == wire.READ_BATCH else None
+            for piece in batch:
+                sent[0] += len(piece)
+                yield piece
+    finally:
+        if ahead is not None:  # stopped early: the file is not closed under a read
+            await asyncio.gather(ahead, return_exceptions=True)
 
 
 async def upload_file(backend: BackendView, slot: Slot, fh: IO[bytes], remote: str,
@@ -80,7 +97,8 @@ async def upload_file(backend: BackendView, slot: Slot, fh: IO[bytes], remote: s
     opened = await _ask(sb, {"op": "upload", "slot": index, "path": remote, "kind": "file", "offset": offset,
                              "sha256": digest.hexdigest() if offset else None}, what)
     sent = [0]
-    there = await _send(sb, opened["stream"], _file_chunks(fh, digest, sent), what)
+    async with contextlib.aclosing(_file_chunks(fh, digest, sent)) as chunks:
+        there = await _send(sb, opened["stream"], chunks, what)
     if there["size"] != offset + sent[0] or there["sha256"] != digest.hexdigest():
         raise TransferError(f"{remote}: checksum differs after the upload (slot: {there['size']} bytes, "
                             f"sha256 {there['sha256']}; host: {offset + sent[0]} bytes, {digest.hexdigest()})")

@@ -398,9 +398,12 @@ class FrameDecoder:
 
         Whole frames are decoded straight from ``data`` (one copy, into the text the
         JSON scanner reads); only an incomplete frame's bytes are kept for the next
-        call. Before, every read was appended to the buffer and each payload copied
-        twice more (a slice, then ``bytes``)."""
+        call, and once they complete it they are decoded straight from that buffer
+        (before, the buffer was first copied whole: one more copy of every large frame,
+        which always comes in several reads). Before that, every read was appended to
+        the buffer and each payload copied twice more (a slice, then ``bytes``)."""
         buf = self._buffer
+        kept = False  # decoding from ``buf`` itself (its consumed front is cut at the end)
         if buf:
             buf += data
             if len(buf) < 4:
@@ -409,8 +412,8 @@ class FrameDecoder:
             length &= ~BINARY_FLAG
             if length <= MAX_FRAME_BYTES and len(buf) < 4 + length:
                 return []  # the frame is still incomplete: nothing copied (a large frame comes in many reads)
-            data = bytes(buf)
-            del buf[:]
+            data = buf
+            kept = True
         messages = []
         start = 0
         size = len(data)
@@ -433,13 +436,22 @@ class FrameDecoder:
                     messages.append(decode_payload(view[start + 4 : end]))
                 start = end
         except ProtocolError:
-            buf += view[start:]  # as before: the bad frame stays at the front
-            raise
-        finally:
             view.release()
-        if start < size:
-            buf += data[start:]
+            self._keep(data, start, kept)  # as before: the bad frame stays at the front
+            raise
+        view.release()
+        self._keep(data, start, kept)
         return messages
+
+    def _keep(self, data, start, kept):
+        """Keep ``data[start:]`` (an incomplete frame) for the next :meth:`feed`."""
+        if kept:
+            try:
+                del self._buffer[:start]
+            except BufferError:  # a view of it lives on (in a decode error's traceback)
+                self._buffer = self._buffer[start:]
+        elif start < len(data):
+            self._buffer += data[start:]
 
     @property
     def pending(self):

@@ -158,3 +158,23 @@ def test_a_binary_frame_carries_raw_bytes_beside_plain_frames():
     bad = protocol.HEADER.pack(8 | protocol.BINARY_FLAG) + protocol.HEADER.pack(99) + b"{}xx"
     with pytest.raises(protocol.ProtocolError, match="JSON length 99 passes its end"):
         protocol.FrameDecoder().feed(bad)
+
+
+def test_a_frame_completed_in_the_buffer_is_decoded_from_it_and_a_bad_one_stays_at_the_front():
+    """A large frame comes in several reads and is decoded straight from the decoder's
+    buffer once whole (no copy of the buffer first); a bad frame after it, in the same
+    read, raises and stays at the front with what follows, whatever view of the buffer the
+    error's traceback still holds."""
+    big = protocol.encode({"id": 1, "blob": b"x" * 300_000})
+    bad = protocol.HEADER.pack(5) + b"{bad}"
+    after = protocol.encode({"id": 2})
+    d = protocol.FrameDecoder()
+    assert d.feed(big[:70_000]) == [] and d.pending == 70_000
+    tail = big[70_000:] + protocol.encode({"id": 9}) + b"\x00\x00"
+    got = d.feed(tail)
+    assert got == [{"id": 1, "blob": b"x" * 300_000}, {"id": 9}] and d.pending == 2
+    d = protocol.FrameDecoder()
+    d.feed(big[:70_000])
+    with pytest.raises(ProtocolError, match="undecodable frame") as caught:
+        d.feed(big[70_000:] + bad + after)
+    assert caught.value.__traceback__ is not None and d.pending == len(bad) + len(after)

@@ -12,6 +12,7 @@ import pytest
 from support import bash
 
 from hermes_modal_tool import Transfer, TransferError, filetransfer
+from hermes_modal_tool._transfer_probe import stream_speed
 
 
 @pytest.fixture
@@ -107,3 +108,18 @@ async def test_bad_arguments_are_clear(make_backend):
         await backend.upload(slot, b"x", "x.bin", offset=-1)
     with pytest.raises(ValueError, match="takes a local path, bytes or a binary file object"):
         await backend.upload(slot, 42, "x.bin")
+
+
+async def test_the_stream_probe_moves_every_byte_both_ways(make_backend):
+    """The benchmark's ``stream`` row: the probe's bytes are counted at both ends (a short
+    or long count is a TransferError), and a bad size is refused by the host and the agent."""
+    backend = await make_backend()
+    slot = await backend.acquire("t")
+    speed = await stream_speed(backend, slot, 3 * 2**20 + 5)  # 12 chunks and a short one
+    assert speed["up_MBps"] > 0 and speed["down_MBps"] > 0
+    with pytest.raises(ValueError, match="nbytes must be a whole number > 0, got 0"):
+        await stream_speed(backend, slot, 0)
+    sb, index = filetransfer.wire._where(backend, slot)
+    with pytest.raises(TransferError, match="needs a slot of this sandbox and a size >= 0, got slot .* size -1"):
+        await filetransfer.wire._ask(sb, {"op": "download", "slot": index, "kind": "probe", "size": -1}, "probe")
+    assert (await bash(backend, slot, "echo alive")).output == "alive\n"

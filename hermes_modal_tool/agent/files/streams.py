@@ -24,6 +24,7 @@ import itertools
 from .streambase import MAX_STREAMS, StreamError, streams_of, text_of
 from .streamin import Upload
 from .streamout import Download
+from .streamprobe import Probe
 
 _ids = itertools.count(1)
 
@@ -53,6 +54,9 @@ def _open(agent, msg):
     path = msg.get("path")
     offset = msg.get("offset") or 0
     kind = msg.get("kind") or "file"
+    if kind == "probe":  # the stream's own speed, no file (streamprobe.py)
+        _open_probe(agent, msg, op, slot)
+        return
     if slot is None or not isinstance(path, str) or not path or "\x00" in path:
         raise StreamError("%s needs a slot of this sandbox and a path, got slot %r path %r"
                           % (op, msg.get("slot"), path))
@@ -69,6 +73,19 @@ def _open(agent, msg):
     stream = (Upload if op == "upload" else Download)(agent, slot, sid, msg, kind, offset)
     streams[sid] = stream
     stream.thread.start()
+
+
+def _open_probe(agent, msg, op, slot):
+    size = msg.get("size") or 0
+    if slot is None or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise StreamError("a %s probe needs a slot of this sandbox and a size >= 0, got slot %r size %r"
+                          % (op, msg.get("slot"), msg.get("size")))
+    streams = streams_of(agent)
+    if len(streams) >= MAX_STREAMS:
+        raise StreamError("%d transfers are open in this sandbox already; finish one first" % MAX_STREAMS)
+    sid = "p%d" % next(_ids)
+    streams[sid] = Probe(agent, slot, sid, op, size)
+    agent.send({"id": msg.get("id"), "ok": True, "result": {"stream": sid, "kind": "probe"}})
 
 
 #: Bytes of the agent's stdin and stdout pipes (Linux's ``F_SETPIPE_SZ``; 64 KiB by default).
@@ -95,7 +112,7 @@ def drop_slot(agent, index):
     for sid, stream in list(streams.items()):
         if stream.slot.index == index:
             stream.abort()
-            if stream.op == "download":
+            if stream.op == "download" or isinstance(stream, Probe):
                 del streams[sid]
 
 

@@ -9,9 +9,11 @@ members, owners 0, modes without set-id bits.
 :func:`pack` walks from a descriptor with ``O_NOFOLLOW`` at every step; symbolic links are
 stored as links (never followed), those that lead out of the directory (absolute, or
 ``..`` past its top) and anything that is not a file, directory or link are left out and
-counted. :func:`unpack` treats the stream as hostile: a member named absolutely or with
+counted; a file's second and later names in the tree are stored as hard links to its
+first (a name in the stream), so hard links arrive as links, not copies. :func:`unpack` treats the stream as hostile: a member named absolutely or with
 ``..``, below a symbolic link, a link leading out of the directory, a hard link to
-anything but an earlier file of the stream, a device node, FIFO or any other type, or an
+anything but an earlier file of the stream (an absolute target, ``..``, or a name the
+stream did not make: not even a file the directory already has), a device node, FIFO or any other type, or an
 over-long header refuses the whole stream (:class:`TarRefused`) before that member is
 written; members are made beneath the root descriptor (``fs/beneath.py``: ``openat2``
 with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``, or an ``O_NOFOLLOW`` walk), a name that
@@ -64,8 +66,10 @@ def pack(root_fd, out, owner=None, on_file=None):
     """Write the tree below ``root_fd`` (a directory descriptor, not closed) as a tar
     stream to ``out`` (an object with ``write(bytes)``). ``owner``: only files owned by
     this uid are read (others left out and counted: a hard link to a file the caller may
-    not read is no way in). ``on_file(nbytes)`` after each file. Returns
-    ``(files, bytes, skipped)``.
+    not read is no way in). A file with several names in the tree is packed once, under
+    the first name met (sorted, depth first); its other names go as hard links to that one
+    (not counted in ``files``), so they arrive as one file with several names, never as
+    copies. ``on_file(nbytes)`` after each file. Returns ``(files, bytes, skipped)``.
 
     Raises:
         OSError: a file could not be read; TarRefused: a file changed size meanwhile.
@@ -75,6 +79,9 @@ def pack(root_fd, out, owner=None, on_file=None):
     tar = tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, bufsize=PIECE,
                        encoding="utf-8", errors="surrogateescape")
     tar.copybufsize = PIECE
+    # A file with more than one name: the first name packed, by (device, inode); a later
+    # name of it goes as a hard link to that one (at most one entry per such file).
+    first_names = {}
     # Depth first, one open directory per level (a wide directory holds no descriptors).
     stack = [("", os.dup(root_fd), None)]
     try:
@@ -117,6 +124,10 @@ def pack(root_fd, out, owner=None, on_file=None):
                 info.linkname = target
                 info.mode = 0o777
                 tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) in first_names:
+                info.type = tarfile.LNKTYPE  # another name of a file packed before
+                info.linkname = first_names[(st.st_dev, st.st_ino)]
+                tar.addfile(info)
             elif stat.S_ISREG(st.st_mode):
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
                 with os.fdopen(fd, "rb") as fh:
@@ -133,6 +144,8 @@ def pack(root_fd, out, owner=None, on_file=None):
                         raise
                 files += 1
                 total += info.size
+                if now.st_nlink > 1 and len(first_names) < MAX_MEMBERS:
+                    first_names[(now.st_dev, now.st_ino)] = path
                 if on_file is not None:
                     on_file(info.size)
             else:
@@ -172,6 +185,18 @@ def _parts(name):
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise TarRefused("member %r climbs out with '..'" % name)
+    return parts
+
+
+def _link_parts(member):
+    """The components of hard link ``member``'s target, a name in the stream."""
+    name = member.linkname
+    if not name or name.startswith("/") or "\x00" in name:
+        raise TarRefused("hard link %r to %r: its target is absolute (a name in the stream only)"
+                         % (member.name, name))
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise TarRefused("hard link %r to %r climbs out with '..'" % (member.name, name))
     return parts
 
 
@@ -250,7 +275,7 @@ def unpack(src, root_fd, owner=None, on_file=None):
                     links.add(key)
                     seen.discard(key)
                 elif member.islnk():
-                    target = "/".join(_parts(member.linkname))
+                    target = "/".join(_link_parts(member))
                     if target not in seen:
                         raise TarRefused("hard link %r to %r, not an earlier file of the stream"
                                          % (member.name, member.linkname))
