@@ -140,6 +140,15 @@ async def test_slot_root_cannot_change_the_policy(egress: Any) -> None:
     after = in_router(router, *table)
     assert f"elements = {{ {fn.API} timeout" in after  # what the allowed name added, and no more:
     assert unlearned(after) == unlearned(before)
+    # Raw and packet sockets (to forge packets past the resolver) need CAP_NET_RAW over the
+    # namespace, which belongs to the agent's user namespace: refused; in a namespace of its
+    # own making the same root gets them (the control).
+    raw = ("import socket\nfor f, t, p in ((socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP), "
+           "(socket.AF_PACKET, socket.SOCK_RAW, 0)):\n    try:\n        socket.socket(f, t, p).close(); print('opened')\n"
+           "    except PermissionError:\n        print('refused')\n")
+    await backend.execute_batch([(slot, "write_file", {"path": "raw.py", "content": raw})])
+    r = await bash(backend, slot, "python3 raw.py; unshare --net python3 raw.py")
+    assert r.output.split() == ["refused", "refused", "opened", "opened"], r.output
 
 
 async def test_pip_installs_from_an_allowed_index_through_the_egress_path(
