@@ -11,10 +11,12 @@ opened there and acts on that namespace only. Where the library cannot be loaded
 
 import ctypes
 import ctypes.util
+import socket
 import threading
 
 NFT_CTX_DEFAULT = 0
 NFT_CTX_OUTPUT_JSON = 1 << 4
+NETLINK_NETFILTER = 12
 
 _LIB = []
 
@@ -84,8 +86,23 @@ class Nft:
                 self._ctx = None
 
 
+def kernel_check():
+    """Raise ``OSError`` (naming the cause) where the kernel has no nftables netlink
+    (``nfnetlink`` not loaded and not loadable: a minimal VM kernel without its modules).
+
+    Called before :func:`open_nft`: ``libnftables`` 1.0 calls ``exit(3)`` from
+    ``nft_ctx_new`` when it cannot open that socket, which would end the whole agent.
+    """
+    try:
+        probe = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
+    except OSError as exc:
+        raise OSError(exc.errno, "the kernel has no nftables netlink (NETLINK_NETFILTER: %s; "
+                                 "the nf_tables module is not loaded)" % exc.strerror) from None
+    probe.close()
+
+
 def open_nft():
     """A :class:`Nft` context in the calling thread's namespace, or None where
-    ``libnftables`` is not installed."""
+    ``libnftables`` is not installed. Call :func:`kernel_check` first."""
     lib = _lib()
     return Nft(lib) if lib is not None else None

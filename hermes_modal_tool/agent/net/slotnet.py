@@ -189,12 +189,14 @@ class SandboxNet:
                 rtnl.up("lo")
                 if self.proxy_only:
                     rtnl.address("lo", proxy.ADDRESS, 32)
+            nftlib.kernel_check()  # before libnftables, which exits the process without it
             self._nft = nftlib.open_nft()
             # /proc/sys/net is the namespace of the thread that opens it: the router's
             with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
                 fh.write("1")
         if self._nft is None:
             self.nft_path = _tool("nft")  # NetError naming the package when it is missing too
+        self.nft("list tables")  # nf_tables itself answers (NetError where it does not)
         if self.proxy_only:
             with entered(fd, inode):  # its socket and threads in the router
                 self.proxy = proxy.ForwardProxy(self._slot_of).start()
