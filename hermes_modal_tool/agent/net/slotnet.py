@@ -87,7 +87,7 @@ def start_or_degrade(options, where, explicit):
     """Start a sandbox's :class:`SandboxNet` for ``network: egress``; returns ``(net, "")``.
 
     Where it cannot start (the agent is not root, so no network namespace of its own;
-    ``ip``, ``nft`` or ``slirp4netns`` missing; no resolver) and the profile left
+    no nftables in the kernel or on the host; ``slirp4netns`` missing; no resolver) and the profile left
     ``network`` unset (``explicit`` false), returns ``(None, why)`` instead: the slots
     run with ``network: none`` (loopback only; never the host's network) and ``why``
     is shown in the sandbox's status. With ``network: egress`` set explicitly the
@@ -309,14 +309,7 @@ class SandboxNet:
         """Refusals of slot ``index`` so far: ``{"names": n, "connections": n}`` (names
         answered NXDOMAIN by its resolver; packets its table refused)."""
         net = self.slots.get(index)
-        if net is None:
-            return {"names": 0, "connections": 0}
-        try:
-            listing = self.nft("list table inet %s" % nftrules.table_name(index), json=True)
-            connections = nftrules.refusal_count(listing)
-        except (NetError, ValueError):
-            connections = 0
-        return {"names": net.resolver.refused, "connections": connections + self._proxy_refused(index)}
+        return self.refusals_of(net) if net is not None else {"names": 0, "connections": 0}
 
     def _proxy_refused(self, index):
         if self.proxy is None:
@@ -350,6 +343,7 @@ class SandboxNet:
             self._drop(index, net.fd)
 
     def refusals_of(self, net):
+        """:meth:`refusals` of the :class:`SlotNet` ``net`` (one listing of its table)."""
         try:
             listing = self.nft("list table inet %s" % nftrules.table_name(net.index), json=True)
             connections = nftrules.refusal_count(listing)
