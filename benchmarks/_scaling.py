@@ -24,7 +24,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from _engine_backends import cfg, started
@@ -50,14 +50,18 @@ def sandbox_counts(max_sandboxes: int) -> list[int]:
     return out
 
 
-def loops() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
-    """The event loops to compare: ``asyncio`` (stdlib) and, if importable, ``uvloop``."""
-    out: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
-    try:
-        import uvloop
-    except ImportError:
-        return out
-    out["uvloop"] = uvloop.new_event_loop
+def loops(names: Sequence[str] = ("asyncio", "uvloop")) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The event loops to compare, of ``names``: ``asyncio`` (stdlib) and, if importable,
+    ``uvloop``."""
+    out: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {}
+    if "asyncio" in names:
+        out["asyncio"] = asyncio.new_event_loop
+    if "uvloop" in names:
+        try:
+            import uvloop
+        except ImportError:
+            return out
+        out["uvloop"] = uvloop.new_event_loop
     return out
 
 
@@ -154,35 +158,54 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
             "cpu_us_per_call": per_call}
 
 
-def framing_us(n: int = 20000) -> dict[str, float]:
-    """Host µs per call of frame work alone: encode a call's request, decode its reply,
-    build the ExecutionResult (the shapes section s sends and gets back). CPU time of
-    this thread, so that other processes on a shared machine do not inflate it."""
+def framing_us(n: int = 200, batch: int = 128) -> dict[str, float]:
+    """Host µs per call of frame work alone, as a batch of section s sends and gets it: a
+    sandbox's ``batch`` calls in one ``calls`` frame (encoded), their results in one
+    ``results`` frame (decoded, each made an ExecutionResult). CPU time of this thread, so
+    that other processes on a shared machine do not inflate it. Falls back to one frame
+    per call where the package has no ``calls`` op (an older tree measured beside)."""
     from hermes_modal_tool import protocol
     from hermes_modal_tool.slots import ExecutionResult, execution_id
 
-    msg = {"op": "call", "slot": 7, "tool": "bash", "args": {"command": "echo 12"}, "timeout": 60.0}
-    reply = protocol.encode({"id": 123, "ok": True, "result": protocol.call_result(output="12\n", returncode=0)})
+    result = protocol.call_result(output="12\n", returncode=0)
+    if "calls" not in protocol.OPS:
+        msg = {"op": "call", "slot": 7, "tool": "bash", "args": {"command": "echo 12"}, "timeout": 60.0}
+        frames = [protocol.encode({"id": i, "ok": True, "result": result}) for i in range(batch)]
+        reply = b"".join(frames)
+
+        def encode() -> None:
+            for i in range(batch):
+                protocol.encode({**msg, "id": i})
+    else:
+        calls = [[i, i, "bash", {"command": "echo 12"}, 60.0] for i in range(batch)]
+        reply = protocol.encode({"id": 0, "results": [[i, protocol.compact_result(result)] for i in range(batch)]})
+
+        def encode() -> None:
+            protocol.encode({"id": 0, "op": "calls", "calls": calls})
     dec = protocol.FrameDecoder()
     t0 = time.thread_time()
-    for i in range(n):
-        protocol.encode({**msg, "id": i})
+    for _ in range(n):
+        encode()
     t1 = time.thread_time()
     for _ in range(n):
-        [m] = dec.feed(reply)
-        ExecutionResult.from_agent(m["result"], "s_slot_7", execution_id(), "bash")
+        for m in dec.feed(reply):
+            for _mid, r in m.get("results") or [(m["id"], m["result"])]:
+                ExecutionResult.from_agent(r, "s_slot_7", execution_id(), "bash")
     t2 = time.thread_time()
-    return {"encode_request": (t1 - t0) / n * 1e6, "decode_reply_and_result": (t2 - t1) / n * 1e6}
+    calls_n = n * batch
+    return {"encode_request": (t1 - t0) / calls_n * 1e6, "decode_reply_and_result": (t2 - t1) / calls_n * 1e6}
 
 
 def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
-            timed: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
-    """Section s: for each sandbox count and each event loop, our calls/s and CPU per call
-    by part, and the raw-bash floor measured right after (ratio = ours / that floor)."""
+            timed: Callable[[str, Callable[[], Any]], Any], counts: Sequence[int] | None = None,
+            loop_names: Sequence[str] = ("asyncio", "uvloop")) -> dict[str, Any]:
+    """Section s: for each sandbox count (``counts``, default :func:`sandbox_counts`) and
+    each event loop of ``loop_names``, our calls/s and CPU per call by part, and the
+    raw-bash floor measured right after (ratio = ours / that floor)."""
     rows: list[dict[str, Any]] = []
-    for n in sandbox_counts(max_sandboxes):
+    for n in counts or sandbox_counts(max_sandboxes):
         mine = []
-        for name, factory in loops().items():
+        for name, factory in loops(loop_names).items():
             row = timed(f"s. ours {n} sandbox(es), {name}", lambda f=factory, n=n: run_on(
                 f, one_count(slots, n, rounds, runs)))
             row["loop"] = name
@@ -198,7 +221,7 @@ def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             print(f"  .. s. row: {n} sandbox(es), {row['loop']}: {row['calls_per_s']:,.0f} calls/s, floor "
                   f"{floor['calls_per_s']:,.0f}, ratio {row['ratio']:.3f}", flush=True)
         rows += mine
-    return {"slots": slots, "max_sandboxes": max_sandboxes, "rounds": rounds, "runs": runs,
+    return {"slots": slots, "max_sandboxes": max(counts or [max_sandboxes]), "rounds": rounds, "runs": runs,
             "nproc": len(os.sched_getaffinity(0)), "loadavg": os.getloadavg(),
             "framing_us_per_call": framing_us(), "rows": rows}
 

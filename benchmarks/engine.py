@@ -274,8 +274,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["streaming"] = timed("g. streaming", lambda: asyncio.run(
             streaming.measure(20 if q else 100, 100 if q else 300)))
     if "s" in sections:
+        counts = [int(x) for x in args.counts.split(",")] if args.counts else None
         res["scaling"] = scaling(args.scale_slots, args.max_sandboxes or default_max_sandboxes(),
-                                 10 if q else 50, 2 if q else 3, timed)
+                                 10 if q else 50, 2 if q else 3, timed, counts, args.loops.split(","))
     res["cleanup"] = wait_clean()
     res["wall_s"] = perf() - t_start
     res["cpu_log"] = CPU_LOG
@@ -292,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sections", default="a,b,c,d,e,f,g", help="which sections to run (default a,b,c,d,e,f,g)")
     ap.add_argument("--max-sandboxes", type=int, default=None, metavar="N",
                     help="section s: the most sandboxes (default: twice the CPUs)")
+    ap.add_argument("--counts", default=None, metavar="N,N,...",
+                    help="section s: these sandbox counts instead of 1, 2, 4, ... --max-sandboxes")
+    ap.add_argument("--loops", default="asyncio,uvloop", metavar="NAMES",
+                    help="section s: the event loops to measure (default asyncio,uvloop: uvloop if installed)")
     ap.add_argument("--scale-slots", type=int, default=128, metavar="N",
                     help="section s: slots spread over the sandboxes (default 128)")
     ap.add_argument("--no-swerex", action="store_true", help="skip the SWE-ReX comparison")

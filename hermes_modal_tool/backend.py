@@ -27,6 +27,8 @@ from typing import Any
 from . import streaming, tracing
 from ._artifact_api import ArtifactMethods
 from ._call_api import CallMethods
+from ._call_group import CallGroup, gather_outcomes
+from ._pool_calls import unsendable
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -37,6 +39,7 @@ from .filetransfer import TransferMethods
 from .pool import SandboxPool
 from .previews import PreviewMethods
 from .processes import ProcessMethods
+from .protocol import ProtocolError
 from .shared_setup import SharedSetups
 from .slots import ExecutionResult, OutputEvent, Slot, execution_id
 from .snapshots import SlotSnapshot, Snapshots
@@ -403,6 +406,8 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         traced = tracing.active()
         spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
         touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
+        groups: dict[Any, CallGroup] = {}  # sandbox -> the batch's calls there (no listener)
+        counted: dict[SandboxPool, int] = {}  # grouped calls per pool, for its call rate
         waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str, Any]] = []
         for i, req in enumerate(requests):
             try:
@@ -418,7 +423,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                 results[i] = _bad_request(f"request {i}: tool must be a string, got {tool!r:.100}",
                                           slot.slot_id)
                 continue
-            if not isinstance(args, Mapping):
+            if type(args) is not dict and not isinstance(args, Mapping):  # the ABC check costs ~1 µs
                 results[i] = _bad_request(
                     f"request {i}: args must be a dict, got {type(args).__name__}", slot.slot_id)
                 continue
@@ -427,49 +432,35 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
                                                      slot.slot_id, "slot_not_held")
                 continue
-            listen = None if on_output is None else streaming.listener(i, slot.slot_id, on_output)
-            submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False, listener=listen)
+            if on_output is None:  # one CallGroup per sandbox (_call_group.py)
+                submitted = pool.submit_grouped(slot, tool, dict(args), timeout_s, groups)
+                counted[pool] = counted.get(pool, 0) + 1
+            else:
+                submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False,
+                                        listener=streaming.listener(i, slot.slot_id, on_output))
             if isinstance(submitted, ExecutionResult):
                 results[i] = submitted
                 continue
-            sb, mid, fut, rec = submitted
+            sb, mid, waiter, rec = submitted
             if traced:
                 spans[i] = tracing.call_span(slot, tool)
             touched[sb] = None
-            waiting.append((i, pool, tool, slot, sb, mid, fut, execution_id(), rec))
+            waiting.append((i, pool, tool, slot, sb, mid, waiter, execution_id(), rec))
+        for sb, group in groups.items():
+            sb.arm(group)
+        for pool, n in counted.items():
+            pool.count_rate(n)
         for sb in touched:
             sb.flush()
         if waiting:
-            # One after another, not gather(): a batch's results come in one frame, so
-            # the task wakes once and finds the rest done (gather schedules a callback
-            # per future: a loop pass each).
-            outcomes: list[Any] = []
-            try:
-                for w in waiting:
-                    try:
-                        outcomes.append(await w[6])
-                    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
-                        raise
-                    except BaseException as exc:
-                        outcomes.append(exc)
-            except asyncio.CancelledError:
-                # Awaiting a future and being cancelled cancels the future too: tell the
-                # agent to stop every call that has not answered; last ones first and in
-                # one write per sandbox, so a call queued behind a cancelled one in its
-                # slot is dropped before that one ends, never started.
-                for _, pool, _, slot, sb, mid, fut, _, rec in reversed(waiting):
-                    if not fut.done() or fut.cancelled():
-                        sb.cancel(mid, flush=False)
-                    pool.call_ended(rec, slot)
-                for sb in touched:
-                    sb.flush()
-                for span, _ in spans.values():
-                    tracing.end_error(span, asyncio.CancelledError("the batch was cancelled"))
-                raise
-            for (i, pool, tool, slot, _sb, _mid, _fut, eid, rec), outcome in zip(waiting, outcomes,
-                                                                                  strict=True):
+            outcomes = await gather_outcomes(waiting, groups, touched, spans)
+            for (i, pool, tool, slot, _sb, _mid, _waiter, eid, rec), outcome in zip(waiting, outcomes,
+                                                                                    strict=True):
                 pool.call_ended(rec, slot)
-                results[i] = pool.to_result(slot, tool, outcome, eid)
+                if isinstance(outcome, ProtocolError):  # a grouped call JSON could not carry
+                    results[i] = unsendable(slot, tool, requests[i][2], outcome)
+                else:
+                    results[i] = pool.to_result(slot, tool, outcome, eid)
                 if traced:
                     tracing.end_call_span(*spans[i], results[i])
         return results  # type: ignore[return-value]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import math
 import os
 import time
@@ -19,23 +18,21 @@ from collections import deque
 from typing import Any
 
 from . import tracing
+from ._pool_calls import PoolCalls
 from ._pool_pick import SlotPick
-from ._pool_status import RATE_TICKS_PER_S, PoolStatus
+from ._pool_status import PoolStatus
 from ._pool_usage import PoolUsage
 from ._slot_record import SlotRecord as _Record
 from .config import SandboxConfig
 from .drivers.base import Driver
 from .errors import (
     BackendClosedError,
-    HermesModalToolError,
     PoolTimeoutError,
-    SandboxError,
     UsageError,
 )
-from .protocol import ProtocolError
 from .resets import SlotResets
-from .sandbox import HOST_GRACE_S, Sandbox
-from .slots import ExecutionResult, Slot, SlotState
+from .sandbox import Sandbox
+from .slots import Slot, SlotState
 from .slots import execution_id as new_id
 from .usage import Usage
 
@@ -43,10 +40,9 @@ from .usage import Usage
 #: ``HERMES_MODAL_TOOL_START_TIMEOUT_S`` sets another (an emulated VM of the host matrix
 #: needs minutes: tests/hosts).
 START_TIMEOUT_S = float(os.environ.get("HERMES_MODAL_TOOL_START_TIMEOUT_S") or 120.0)
-MAX_CALL_TIMEOUT_S = 86400.0
 
 
-class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
+class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage, PoolCalls):
     """Sandboxes of one profile, each with ``slots_per_sandbox`` slots.
 
     Args:
@@ -402,92 +398,6 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage):
         slot.state = SlotState.AVAILABLE
         slot.trajectory_id = None
         return usage
-
-    # -- calls ---------------------------------------------------------------------
-    def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
-               flush: bool = True, listener: Any = None):
-        """Send one tool call; return ``(sandbox, mid, future, record)`` or an
-        ExecutionResult on error. The caller hands ``record`` to :meth:`call_ended`
-        once the future is done or abandoned.
-
-        With ``flush=False`` the frame waits for the sandbox's ``flush()``; with a
-        ``listener`` the agent streams the call's output to it (``output`` events).
-        """
-        try:
-            rec = self.record_of(slot)
-        except UsageError as exc:
-            return ExecutionResult.failure(str(exc), slot.slot_id, "slot_not_held")
-        sb = rec.sandbox
-        if sb.dead:
-            return ExecutionResult.failure(f"sandbox {sb.sandbox_id} died: {sb.death_reason}", slot.slot_id,
-                                           "sandbox_died")
-        timeout = timeout_s if timeout_s is not None else self.config.execution_timeout_s
-        wait = timeout
-        own = args.get("timeout") if tool == "bash" else None
-        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
-            wait = own if own <= MAX_CALL_TIMEOUT_S else math.inf  # ints beyond float range too
-        if wait > MAX_CALL_TIMEOUT_S:
-            return ExecutionResult.failure(
-                f"timeout {own if own is not None else wait!r:.40} s is longer than the "
-                f"{MAX_CALL_TIMEOUT_S:g} s maximum", slot.slot_id, "bad_request")
-        message = {"op": "call", "slot": rec.index, "tool": tool, "args": args, "timeout": timeout}
-        if listener is not None:
-            message["stream"] = True
-        try:
-            mid, fut = sb.submit(message, float(wait) + HOST_GRACE_S, flush, listener)
-        except ProtocolError as exc:
-            bad = [k for k, v in args.items() if not _json_ok(v)]
-            named = f"argument {', '.join(map(repr, bad))} " if bad else "arguments "
-            return ExecutionResult.failure(f"{tool} {named}cannot be sent as JSON: {exc}", slot.slot_id,
-                                           "bad_request")
-        rec.inflight += 1
-        calls = slot._calls
-        calls[tool] = calls.get(tool, 0) + 1
-        slot.state = SlotState.EXECUTING
-        self.stats["calls"] += 1
-        tick = int(time.monotonic() * RATE_TICKS_PER_S)
-        last = self._rate_window[-1] if self._rate_window else None
-        if last is not None and last[0] == tick:
-            last[1] += 1
-        else:
-            self._new_rate_tick(tick)
-        return sb, mid, fut, rec
-
-    @staticmethod
-    def call_ended(rec: _Record, slot: Slot) -> None:
-        """A call :meth:`submit` sent for ``slot`` (leasing ``rec``) came back, or its
-        caller stopped waiting for it: the slot is no longer executing once none is left."""
-        rec.inflight -= 1
-        if rec.inflight == 0 and rec.holder is slot and slot.state is SlotState.EXECUTING:
-            slot.state = SlotState.ACQUIRED
-
-    def to_result(self, slot: Slot, tool: str, outcome: Any, execution_id: str) -> ExecutionResult:
-        if isinstance(outcome, BaseException):
-            if isinstance(outcome, HermesModalToolError):
-                msg = str(outcome)
-            else:
-                msg = f"{type(outcome).__name__}: {outcome}"
-            self.stats["failures"] += 1
-            died = isinstance(outcome, SandboxError)
-            return ExecutionResult.failure(msg, slot.slot_id, "sandbox_died" if died else "lost")
-        if not outcome.get("ok"):
-            self.stats["failures"] += 1
-            return ExecutionResult.failure(f"agent error: {outcome.get('error')}", slot.slot_id, "bad_request")
-        result = ExecutionResult.from_agent(outcome["result"], slot.slot_id, execution_id, tool)
-        if not result.success:
-            self.stats["failures"] += 1
-        if result.metadata.get("timed_out"):
-            self.stats["timeouts"] += 1
-        return result
-
-
-def _json_ok(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        return False
-    return True
-
 
 def _swallow(task: asyncio.Task) -> None:
     if not task.cancelled():

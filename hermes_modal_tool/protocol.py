@@ -28,6 +28,10 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               is taken (by commands that compute, not by ones that sleep or wait on
               I/O) queues further commands, first come first served (see
               ``hermes_modal_tool/agent/limits/admission.py``).
+``calls``     ``{"calls": [[id, slot, tool, args, timeout], ...]}`` with id 0: several
+              ``call`` requests in one frame (a batch's calls to one sandbox; the host
+              sends them so), each with its own id; each is handled as that ``call``.
+              Their responses come in ``results`` frames (below).
 ``reset``     ``{"slot": int}``: kill the slot's shell and every process it started,
               empty its workspace. The next call gets a fresh shell.
 ``cancel``    ``{"target": int}``: stop the call with id ``target`` (kills what it
@@ -74,7 +78,11 @@ A ``call`` with ``"stream": true`` has its output sent while it runs, as events
 (``hermes_modal_tool/agent/shells/streaming.py``: the bounds per slot and per sandbox).
 
 Responses (agent -> host): ``{"id": int, "ok": bool, "error": str?, "result": {...}}``.
-For ``call`` the result has the keys of :data:`RESULT_KEYS`.
+For ``call`` the result has the keys of :data:`RESULT_KEYS`. Calls that came in a
+``calls`` frame are answered in ``{"id": 0, "results": [[id, result], ...]}`` frames
+instead (the results of one batch that are ready together, one frame; ``ok`` is true),
+each result without the keys whose value is the default (``error`` None, ``timed_out``
+and ``truncated`` false, ``data`` empty: :func:`compact_result`).
 
 Events (agent -> host, no response expected): ``{"id": 0, "event": str, "target": int}``.
 ``queued``: call ``target`` has waited a while (5 s, or half its timeout when that
@@ -94,7 +102,7 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 BINARY_FLAG = 0x80000000
 _JSON_LEN = struct.Struct(">I")
 
-OPS = ("init", "call", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
+OPS = ("init", "call", "calls", "reset", "cancel", "status", "shutdown", "snapshot", "fork",
        "release_snapshot", "snapshots", "export_snapshot", "import_snapshot", "ping", "ack", "process", "usage",
        "checksum", "upload", "download", "tunnel")
 
@@ -478,3 +486,18 @@ def call_result(
         "duration_s": duration_s,
         "data": data if data is not None else {},
     }
+
+
+#: Keys of a ``call`` result left out of a ``results`` frame when they have this value.
+_DEFAULTS = (("error", None), ("timed_out", False), ("truncated", False))
+
+
+def compact_result(result):
+    """``result`` (a ``call`` result) less its keys that hold their default value (see
+    ``results`` in the module doc); a new dict, or ``result`` itself when none does."""
+    drop = [k for k, v in _DEFAULTS if k in result and result[k] is v]
+    if "data" in result and not result["data"]:
+        drop.append("data")
+    if not drop:
+        return result
+    return {k: v for k, v in result.items() if k not in drop}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import protocol, tracing
+from ._call_group import CallGroup
 from .deadlines import Deadlines
 from .drivers.base import SandboxHandle
 from .errors import ConfigError, SandboxDiedError, SandboxError, SandboxStartError
@@ -70,6 +71,10 @@ class Sandbox:
         self._deadlines: dict[int, tuple[list | None, float]] = {}
         self._timers: Deadlines | None = None  # made on the first request's loop
         self._outbox: list[bytes] = []
+        # Grouped calls (submit_grouped) queued since the last flush: (id, message),
+        # sent as one ``calls`` frame (see :meth:`flush`).
+        self._calls: list[tuple[int, dict[str, Any]]] = []
+        self._groups: dict[int, CallGroup] = {}  # id of a grouped call not answered yet -> its group
         self._listeners: dict[int, Callable[[dict[str, Any]], None]] = {}
         self._unacked = 0  # streamed output received and not yet acknowledged
         self._on_death = on_death
@@ -115,8 +120,24 @@ class Sandbox:
                 self._forget(mid)
                 if not fut.done():
                     fut.set_result(msg)
+            elif "results" in msg:
+                self._on_results(msg["results"])
+            elif mid in self._groups:  # a grouped call answered in a frame of its own
+                self._answer(self._groups.pop(mid), mid, msg)  # type: ignore[arg-type]
             elif "event" in msg:
                 self._on_event(msg)
+
+    def _on_results(self, results: list[list[Any]]) -> None:
+        """A ``results`` frame: ``[id, result]`` of several calls sent in a ``calls`` frame
+        (the agent sends a batch's results together). Each call's group gets the reply a
+        ``call`` frame would have got (``{"ok": True, "result": ...}``); the agent leaves
+        out the fields of a result that have their default value (no error, not timed
+        out, not truncated, no data), which :meth:`ExecutionResult.from_agent` fills in."""
+        groups = self._groups
+        for mid, result in results:
+            group = groups.pop(mid, None)
+            if group is not None:
+                self._answer(group, mid, {"ok": True, "result": result})
 
     def _on_event(self, msg: dict[str, Any]) -> None:
         """``queued``: the call waits before it starts (no deadline meanwhile);
@@ -129,9 +150,13 @@ class Sandbox:
                 listener(msg)
             self._unacked += sum(len(chunk[1]) for chunk in msg.get("chunks") or ())
             if self._unacked >= STREAM_ACK_BYTES:  # the agent's window (agent/shells/streaming.py)
-                self._outbox.append(protocol.encode({"id": 0, "op": "ack", "bytes": self._unacked}))
+                self._enqueue(protocol.encode({"id": 0, "op": "ack", "bytes": self._unacked}))
                 self._unacked = 0
                 self.flush()
+            return
+        group = self._groups.get(mid)  # type: ignore[arg-type]
+        if group is not None:
+            self._group_event(group, mid, msg["event"])  # type: ignore[arg-type]
             return
         entry = self._deadlines.get(mid)  # type: ignore[arg-type]
         if entry is None or msg["event"] not in ("queued", "started"):
@@ -145,6 +170,19 @@ class Sandbox:
         else:
             timer = None
         self._deadlines[mid] = (timer, wait_s)  # type: ignore[index]
+
+    def _group_event(self, group: CallGroup, mid: int, event: str) -> None:
+        """``queued`` stops the group's deadline; once every queued call has ``started``
+        it starts again, whole (the rule of the module doc, per group)."""
+        if event == "queued":
+            group.queued.add(mid)
+            if group.timer is not None and self._timers is not None:
+                self._timers.drop(group.timer)
+            group.timer = None
+        elif event == "started" and mid in group.queued:
+            group.queued.discard(mid)
+            if not group.queued:
+                self.arm(group)
 
     def _on_close(self) -> None:
         self._mark_dead(None)
@@ -179,6 +217,9 @@ class Sandbox:
         pending, self._pending = self._pending, {}
         for mid in list(self._deadlines):
             self._forget(mid)
+        groups, self._groups = self._groups, {}
+        for mid, group in groups.items():
+            self._answer(group, mid, err)
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -196,6 +237,9 @@ class Sandbox:
 
         The future fails with SandboxDiedError if the sandbox dies, or SandboxError
         if no reply comes within ``wait_s`` seconds.
+
+        Raises:
+            ProtocolError: the message cannot be sent as JSON; nothing was registered.
         """
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -204,24 +248,97 @@ class Sandbox:
             return 0, fut
         mid = next(self._ids)
         message["id"] = mid
-        frame = protocol.encode(message)  # ProtocolError before anything is registered
+        self._enqueue(protocol.encode(message))  # ProtocolError before anything is registered
         self._pending[mid] = fut
         if listener is not None:
             self._listeners[mid] = listener
-        self._outbox.append(frame)
+        self._deadlines[mid] = (self._timers_on(loop).add(wait_s, self._expire, (mid, wait_s)), wait_s)
         if flush:
             self.flush()
-        self._deadlines[mid] = (self._timers_on(loop).add(wait_s, self._expire, (mid, wait_s)), wait_s)
         self.last_used = time.monotonic()
         return mid, fut
 
+    def submit_grouped(self, group: CallGroup, message: dict[str, Any], wait_s: float) -> int:
+        """Queue one ``call`` (``message``: slot, tool, args, timeout) of ``group`` for the
+        next :meth:`flush`, which sends the queued calls in one ``calls`` frame; return
+        its id. Its outcome comes in ``group`` (see ``_call_group.py``; start the group's
+        deadline with :meth:`arm` once its calls are added). A message JSON cannot carry
+        gets that ProtocolError as its outcome at the flush; a dead sandbox's calls get
+        SandboxDiedError at once."""
+        mid = next(self._ids)
+        group.add(mid, wait_s)
+        if self.dead:
+            group.answer(mid, SandboxDiedError(f"sandbox {self.sandbox_id} died: {self.death_reason}"))
+            return mid
+        self._groups[mid] = group
+        self._calls.append((mid, message))
+        return mid
+
+    def arm(self, group: CallGroup) -> None:
+        """Start ``group``'s deadline (the longest wait of its calls), unless it is complete."""
+        if group.left and group.timer is None and not self.dead:
+            group.timer = self._timers_on(asyncio.get_running_loop()).add(
+                group.wait_s, self._expire_group, group)
+        self.last_used = time.monotonic()
+
+    def abandon(self, group: CallGroup) -> None:
+        """The caller stopped waiting for ``group`` (cancelled): ask the agent to stop its
+        calls that have not answered, last ones first, in one write; their entries go when
+        the agent answers (it answers a cancelled call too) or at the group's deadline."""
+        for mid in group.unanswered():
+            self.cancel(mid, flush=False)
+        self.flush()
+
+    def _enqueue(self, frame: bytes) -> None:
+        """Queue ``frame`` for the next :meth:`flush`, after the compact calls queued before it."""
+        if self._calls:
+            calls, self._calls = self._calls, []
+            self._outbox.extend(self._calls_frames(calls))
+        self._outbox.append(frame)
+
     def flush(self) -> None:
         """Write the queued request frames (one write for a whole batch)."""
+        if self._calls:
+            calls, self._calls = self._calls, []
+            self._outbox.extend(self._calls_frames(calls))
         if self._outbox:
             data = b"".join(self._outbox) if len(self._outbox) > 1 else self._outbox[0]
             self._outbox.clear()
             if not self.dead:
                 self.handle.write(data)
+
+    def _calls_frames(self, calls: list[tuple[int, dict[str, Any]]]) -> list[bytes]:
+        """``calls`` frames for compact calls: ``[id, slot, tool, args, timeout]`` each, one
+        frame for all of them unless JSON cannot carry one call's message or the frame
+        would pass the size limit; then halves, down to the call that cannot go, whose
+        future fails with that ProtocolError (the others go)."""
+        try:
+            return [protocol.encode({"id": 0, "op": "calls", "calls": [
+                [mid, m["slot"], m["tool"], m["args"], m["timeout"]] for mid, m in calls]})]
+        except protocol.ProtocolError as exc:
+            if len(calls) > 1:
+                half = len(calls) // 2
+                return self._calls_frames(calls[:half]) + self._calls_frames(calls[half:])
+            mid = calls[0][0]
+            group = self._groups.pop(mid, None)
+            if group is not None:
+                self._answer(group, mid, exc)
+            return []
+
+    def _answer(self, group: CallGroup, mid: int, outcome: Any) -> None:
+        if group.answer(mid, outcome) and group.timer is not None:
+            if self._timers is not None:
+                self._timers.drop(group.timer)
+            group.timer = None
+
+    def _expire_group(self, group: CallGroup) -> None:
+        group.timer = None
+        err = SandboxError(f"sandbox {self.sandbox_id}: the agent did not answer within {group.wait_s:g}s")
+        for mid in group.unanswered():
+            self._groups.pop(mid, None)
+            group.answer(mid, err)
+            self.cancel(mid, flush=False)
+        self.flush()
 
     def _forget(self, mid: int) -> None:
         self._listeners.pop(mid, None)
@@ -255,7 +372,7 @@ class Sandbox:
         """
         self._listeners.pop(mid, None)
         if not self.dead and mid:
-            self._outbox.append(protocol.encode({"id": 0, "op": "cancel", "target": mid}))
+            self._enqueue(protocol.encode({"id": 0, "op": "cancel", "target": mid}))
             if flush:
                 self.flush()
 

@@ -9,7 +9,7 @@ import time
 
 from support import bash
 
-from hermes_modal_tool import pool as pool_module
+from hermes_modal_tool import _pool_calls as pool_module
 
 HOG = "python3 -c 'while True: pass'"
 
@@ -72,3 +72,22 @@ async def test_the_host_waits_for_a_call_queued_behind_a_long_one(make_backend, 
     ])
     assert (long.success, long.output) == (True, "long\n"), long
     assert (short.success, short.output) == (True, "short\n"), short
+
+
+async def test_a_batch_queued_behind_another_batch_is_not_given_up(make_backend, monkeypatch):
+    # A batch's calls to one sandbox share one deadline (_call_group.py), the longest wait of
+    # its calls (timeout + grace; 1 + 1 s here): a batch whose only call waits 3 s behind
+    # another batch's call in its slot is reported queued, which stops that deadline, and
+    # started, which gives it back whole. Without that rule it fails at 2 s, "did not answer".
+    monkeypatch.setattr(pool_module, "HOST_GRACE_S", 1.0)
+    backend = await make_backend()
+    slot = await backend.acquire("t")
+    first = asyncio.ensure_future(backend.execute_batch(
+        [(slot, "bash", {"command": "sleep 3; echo long", "timeout": 10})]))
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    [short] = await backend.execute_batch([(slot, "bash", {"command": "echo short", "timeout": 1})])
+    assert (short.success, short.output) == (True, "short\n"), short
+    assert time.monotonic() - t0 > 2.0, "the second batch did not wait behind the first"
+    [long] = await first
+    assert (long.success, long.output) == (True, "long\n"), long

@@ -27,8 +27,9 @@ LAYERS = [
         "sessions", "capture", "backend", "_artifact_api", "_snapshot_api", "_status_api", "_call_api",
         "filetransfer", "_transfer_wire", "_transfer_probe", "previews", "_transfer_tree", "processes", "shared_setup", "snapshots", "sandbox_images", "transfer",
         "streaming", "status", "_backend_view")]),
-    ("pool", [P + m for m in ("pool", "_pool_status", "_pool_usage", "_pool_pick", "resets", "_slot_record")]),
-    ("sandbox", [P + "sandbox"]),
+    ("pool", [P + m for m in ("pool", "_pool_status", "_pool_usage", "_pool_pick", "_pool_calls", "resets",
+                              "_slot_record")]),
+    ("sandbox", [P + "sandbox", P + "_call_group"]),
     ("drivers", [P + "drivers", P + "images"]),
     ("config and shared types", [P + m for m in (
         "config", "profiles", "volumes", "gpus", "secrets", "slots", "usage", "tools", "portal", "loops",

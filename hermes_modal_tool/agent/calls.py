@@ -37,15 +37,20 @@ STOPPED_BEFORE = "the sandbox was stopped (the backend is shutting down) before 
 HOLD_S = 0.002
 #: Key of a call message's :class:`Batch` (set by the reader, not the host).
 BATCH_KEY = "__batch"
+#: Key of a call message that came in a ``calls`` frame (set by the reader).
+COMPACT_KEY = "__compact"
 
 
 class Batch:
-    """The calls of one read of stdin whose results have not been sent yet."""
+    """The calls of one read of stdin whose results have not been sent yet. ``results``
+    (calls that came in a ``calls`` frame): ``[id, result]`` of those ready and not sent
+    yet, sent together in one ``results`` frame (``Agent.send``); None otherwise."""
 
-    __slots__ = ("left",)
+    __slots__ = ("left", "results")
 
-    def __init__(self, left):
+    def __init__(self, left, compact=False):
         self.left = left
+        self.results = [] if compact else None
 
 
 class Calls:

@@ -8,7 +8,7 @@ import asyncio
 import sys
 
 from .. import protocol
-from .calls import BATCH_KEY, Batch
+from .calls import BATCH_KEY, COMPACT_KEY, Batch
 
 
 class InProtocol(asyncio.Protocol):
@@ -27,9 +27,11 @@ class InProtocol(asyncio.Protocol):
             return
         if self.agent.heartbeat is not None:
             self.agent.heartbeat.heard = True
+        if any(msg.get("op") == "calls" for msg in messages):
+            messages = list(_expand(messages))
         calls = [msg for msg in messages if msg.get("op") == "call"]
-        if len(calls) > 1:
-            batch = Batch(len(calls))
+        if len(calls) > 1 or any(msg.get(COMPACT_KEY) for msg in calls):
+            batch = Batch(len(calls), compact=any(msg.get(COMPACT_KEY) for msg in calls))
             for msg in calls:
                 msg[BATCH_KEY] = batch
         for msg in messages:
@@ -40,3 +42,17 @@ class InProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc):
         self.agent.own(self.agent.shutdown())
+
+
+def _expand(messages):
+    """Each ``calls`` frame's entries as ``call`` messages (marked: their results go back
+    in ``results`` frames); other messages as they are. A malformed entry is skipped."""
+    for msg in messages:
+        if msg.get("op") != "calls":
+            yield msg
+            continue
+        for entry in msg.get("calls") or ():
+            if isinstance(entry, list) and len(entry) == 5:
+                mid, slot, tool, args, timeout = entry
+                yield {"op": "call", "id": mid, "slot": slot, "tool": tool, "args": args,
+                       "timeout": timeout, COMPACT_KEY: True}

@@ -50,6 +50,7 @@ class Agent(Setup, Calls, DiskWatch):
         self.out = out_transport
         self.slots = {}
         self.outbox = []
+        self.held = []  # compact batches with results not sent yet (Batch.results)
         self.flush_handle = None  # the scheduled flush (at once, or a batch's hold)
         self.flush_soon = False  # ... and it is the one at once
         self.tasks = set()
@@ -90,8 +91,14 @@ class Agent(Setup, Calls, DiskWatch):
     def send(self, message, batch=None):
         """Queue a frame; frames queued in one loop pass go out in one write. A call's
         result with its ``batch`` waits (at most :data:`HOLD_S`) while results of that
-        batch are still to come."""
-        self.outbox.append(protocol.encode(message))
+        batch are still to come; the results of a compact batch (a ``calls`` frame) go
+        in one ``results`` frame."""
+        if batch is not None and batch.results is not None and message.get("ok") and "result" in message:
+            batch.results.append([message["id"], protocol.compact_result(message["result"])])
+            if len(batch.results) == 1:
+                self.held.append(batch)
+        else:
+            self.outbox.append(protocol.encode(message))
         if batch is not None:
             batch.left -= 1
             if batch.left > 0:
@@ -109,6 +116,10 @@ class Agent(Setup, Calls, DiskWatch):
             self.flush_handle.cancel()
         self.flush_handle = None
         self.flush_soon = False
+        for batch in self.held:
+            self.outbox.append(protocol.encode({"id": 0, "results": batch.results}))
+            batch.results = []
+        self.held = []
         if self.outbox and not self.out.is_closing():
             self.out.write(b"".join(self.outbox))
         self.outbox = []

@@ -1,0 +1,114 @@
+"""The calls of one ``execute_batch`` to one sandbox, as one unit on the host.
+
+What bounds the calls/s of many sandboxes is the host's one event loop: every call's
+bookkeeping runs there, whatever the number of cores (``benchmarks/_scaling.py``). So a
+batch's calls to one sandbox (without a listener) share what can be shared: they go in
+one ``calls`` frame and come back in ``results`` frames (``protocol.py``), and here they
+share one future and one deadline (:class:`CallGroup`) instead of one each.
+
+The deadline keeps the per-call rule of ``sandbox.py``: a group waits at most the
+longest wait of its calls (each call's timeout plus ``HOST_GRACE_S``) from when it was
+sent, and not while any of its calls is ``queued`` in the agent (waiting behind another
+call of its slot, for admission or for its shell): the clock stops at the first
+``queued`` and starts again, whole, once every queued call has ``started``. A group
+whose deadline passes fails the calls that have not answered (SandboxError) and asks the
+agent to stop them. Since the deadline is a guard against an agent that stopped
+answering, not a call's timeout (the agent enforces that), one per group is enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from . import tracing
+
+
+class CallGroup:
+    """A batch's compact calls to one sandbox: their ids, their outcomes (the agent's reply
+    ``{"ok": ..., "result": ...}``, or an exception) in the order they were added, and one
+    future, done once every call has its outcome."""
+
+    __slots__ = ("mids", "outcomes", "left", "future", "wait_s", "timer", "queued")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.mids: dict[int, int] = {}  # request id -> position in outcomes
+        self.outcomes: list[Any] = []
+        self.left = 0
+        self.future: asyncio.Future = loop.create_future()
+        self.wait_s = 0.0
+        self.timer: list | None = None  # the deadline's entry in the sandbox's Deadlines
+        self.queued: set[int] = set()  # ids the agent reported queued and not started yet
+
+    def add(self, mid: int, wait_s: float) -> None:
+        self.mids[mid] = len(self.outcomes)
+        self.outcomes.append(None)
+        self.left += 1
+        if wait_s > self.wait_s:
+            self.wait_s = wait_s
+
+    def answer(self, mid: int, outcome: Any) -> bool:
+        """Record call ``mid``'s outcome (the first one only); True once the group is complete."""
+        pos = self.mids.get(mid)
+        if pos is None or self.outcomes[pos] is not None:
+            return False
+        self.outcomes[pos] = outcome
+        self.left -= 1
+        if self.left:
+            return False
+        if not self.future.done():
+            self.future.set_result(None)
+        return True
+
+    def outcome(self, mid: int) -> Any:
+        return self.outcomes[self.mids[mid]]
+
+    def unanswered(self) -> list[int]:
+        """The ids of the calls with no outcome yet, last added first."""
+        return [mid for mid, pos in reversed(self.mids.items()) if self.outcomes[pos] is None]
+
+
+async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], touched: dict[Any, None],
+                    spans: dict[int, tuple[Any, float]]) -> list[Any]:
+    """``execute_batch``'s wait: each waiting call's outcome (the agent's reply, or an exception), in order: from
+    its sandbox's :class:`CallGroup` once that is complete, or from its own future (a
+    call with a listener). Futures one after another, not gather(): a batch's results
+    come in one frame, so the task wakes once and finds the rest done (gather schedules
+    a callback per future: a loop pass each).
+
+    ``waiting``: ``(index, pool, tool, slot, sandbox, id, group or future, execution id,
+    record)`` per call sent; ``touched``: the sandboxes written to; ``spans``: request
+    index -> (span, start) when traced.
+
+    Cancelled (the awaiting task): tells the agent to stop every call that has not
+    answered, last ones first and in one write per sandbox, so that a call queued behind
+    a cancelled one in its slot is dropped before that one ends, never started; ends the
+    calls' spans; re-raises."""
+    outcomes: list[Any] = []
+    try:
+        for group in groups.values():
+            await group.future  # set_result only: complete, or cancelled with the task
+        for w in waiting:
+            waiter = w[6]
+            if isinstance(waiter, CallGroup):
+                outcomes.append(waiter.outcome(w[5]))
+                continue
+            try:
+                outcomes.append(await waiter)
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
+                outcomes.append(exc)
+    except asyncio.CancelledError:
+        for sb, group in groups.items():
+            sb.abandon(group)
+        for _, pool, _, slot, sb, mid, waiter, _, rec in reversed(waiting):
+            if not isinstance(waiter, CallGroup) and (not waiter.done() or waiter.cancelled()):
+                sb.cancel(mid, flush=False)
+            pool.call_ended(rec, slot)
+        for sb in touched:
+            sb.flush()
+        for span, _ in spans.values():
+            tracing.end_error(span, asyncio.CancelledError("the batch was cancelled"))
+        raise
+    return outcomes

@@ -1,0 +1,171 @@
+"""The pool's tool calls (mixed into :class:`~hermes_modal_tool.pool.SandboxPool`): a
+call checked and sent to its slot's sandbox, one at a time (:meth:`PoolCalls.submit`) or
+grouped per sandbox for a batch (:meth:`PoolCalls.submit_grouped`, ``_call_group.py``),
+counted, and its reply made an :class:`ExecutionResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from ._call_group import CallGroup
+from ._pool_status import RATE_TICKS_PER_S
+from ._slot_record import SlotRecord as _Record
+from .errors import HermesModalToolError, SandboxError, UsageError
+from .protocol import ProtocolError
+from .sandbox import HOST_GRACE_S
+from .slots import ExecutionResult, Slot, SlotState
+
+if TYPE_CHECKING:
+    from .config import SandboxConfig
+
+#: The longest a call may be given (seconds): a timeout past it is refused.
+MAX_CALL_TIMEOUT_S = 86400.0
+
+
+class PoolCalls:
+    """Sending tool calls and turning their replies into results."""
+
+    config: SandboxConfig
+    stats: dict[str, int]
+    _rate_window: deque
+
+    def record_of(self, slot: Slot) -> _Record:  # pragma: no cover - SandboxPool's
+        raise NotImplementedError
+
+    def _new_rate_tick(self, tick: int) -> None:  # pragma: no cover - PoolStatus's
+        raise NotImplementedError
+
+    def submit(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
+               flush: bool = True, listener: Any = None):
+        """Send one tool call; return ``(sandbox, mid, future, record)`` or an
+        ExecutionResult on error. The caller hands ``record`` to :meth:`call_ended`
+        once the future is done or abandoned.
+
+        With ``flush=False`` the frame waits for the sandbox's ``flush()``; with a
+        ``listener`` the agent streams the call's output to it (``output`` events).
+        """
+        prepared = self._prepare(slot, tool, args, timeout_s)
+        if isinstance(prepared, ExecutionResult):
+            return prepared
+        rec, message, wait = prepared
+        if listener is not None:
+            message["stream"] = True
+        try:
+            mid, fut = rec.sandbox.submit(message, wait, flush, listener)
+        except ProtocolError as exc:
+            return unsendable(slot, tool, args, exc)
+        self._count(rec, slot, tool)
+        self.count_rate(1)
+        return rec.sandbox, mid, fut, rec
+
+    def submit_grouped(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
+                       groups: dict[Any, CallGroup]):
+        """Queue one tool call of a batch in its sandbox's :class:`CallGroup` (made in
+        ``groups``, keyed by sandbox, on the first call there; see ``_call_group.py``);
+        return ``(sandbox, mid, group, record)`` or an ExecutionResult on error. The
+        caller arms and flushes each sandbox of ``groups`` once the batch's calls are
+        queued, counts them in the pool's rate (:meth:`count_rate`, once per batch),
+        and hands ``record`` to :meth:`call_ended` when the call is done or abandoned."""
+        prepared = self._prepare(slot, tool, args, timeout_s)
+        if isinstance(prepared, ExecutionResult):
+            return prepared
+        rec, message, wait = prepared
+        sb = rec.sandbox
+        group = groups.get(sb)
+        if group is None:
+            group = groups[sb] = CallGroup(asyncio.get_running_loop())
+        mid = sb.submit_grouped(group, message, wait)
+        self._count(rec, slot, tool)
+        return sb, mid, group, rec
+
+    def _prepare(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None):
+        """``(record, call message, host wait in seconds)`` for a call, or the failed
+        ExecutionResult of one that cannot be sent (slot not held, sandbox dead, a
+        timeout past the maximum)."""
+        try:
+            rec = self.record_of(slot)
+        except UsageError as exc:
+            return ExecutionResult.failure(str(exc), slot.slot_id, "slot_not_held")
+        sb = rec.sandbox
+        if sb.dead:
+            return ExecutionResult.failure(f"sandbox {sb.sandbox_id} died: {sb.death_reason}", slot.slot_id,
+                                           "sandbox_died")
+        timeout = timeout_s if timeout_s is not None else self.config.execution_timeout_s
+        wait = timeout
+        own = args.get("timeout") if tool == "bash" else None
+        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+            wait = own if own <= MAX_CALL_TIMEOUT_S else math.inf  # ints beyond float range too
+        if wait > MAX_CALL_TIMEOUT_S:
+            return ExecutionResult.failure(
+                f"timeout {own if own is not None else wait!r:.40} s is longer than the "
+                f"{MAX_CALL_TIMEOUT_S:g} s maximum", slot.slot_id, "bad_request")
+        message = {"op": "call", "slot": rec.index, "tool": tool, "args": args, "timeout": timeout}
+        return rec, message, float(wait) + HOST_GRACE_S
+
+    def _count(self, rec: _Record, slot: Slot, tool: str) -> None:
+        """Note a call sent for ``slot``: the slot executing, its calls by tool."""
+        rec.inflight += 1
+        calls = slot._calls
+        calls[tool] = calls.get(tool, 0) + 1
+        slot.state = SlotState.EXECUTING
+
+    def count_rate(self, n: int) -> None:
+        """Count ``n`` calls sent now in the pool's statistics and call rate."""
+        self.stats["calls"] += n
+        tick = int(time.monotonic() * RATE_TICKS_PER_S)
+        last = self._rate_window[-1] if self._rate_window else None
+        if last is not None and last[0] == tick:
+            last[1] += n
+        else:
+            self._new_rate_tick(tick)
+            self._rate_window[-1][1] = n
+
+    @staticmethod
+    def call_ended(rec: _Record, slot: Slot) -> None:
+        """A call :meth:`submit` sent for ``slot`` (leasing ``rec``) came back, or its
+        caller stopped waiting for it: the slot is no longer executing once none is left."""
+        rec.inflight -= 1
+        if rec.inflight == 0 and rec.holder is slot and slot.state is SlotState.EXECUTING:
+            slot.state = SlotState.ACQUIRED
+
+    def to_result(self, slot: Slot, tool: str, outcome: Any, execution_id: str) -> ExecutionResult:
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, HermesModalToolError):
+                msg = str(outcome)
+            else:
+                msg = f"{type(outcome).__name__}: {outcome}"
+            self.stats["failures"] += 1
+            died = isinstance(outcome, SandboxError)
+            return ExecutionResult.failure(msg, slot.slot_id, "sandbox_died" if died else "lost")
+        if not outcome.get("ok"):
+            self.stats["failures"] += 1
+            return ExecutionResult.failure(f"agent error: {outcome.get('error')}", slot.slot_id, "bad_request")
+        result = ExecutionResult.from_agent(outcome["result"], slot.slot_id, execution_id, tool)
+        if not result.success:
+            self.stats["failures"] += 1
+        if result.metadata.get("timed_out"):
+            self.stats["timeouts"] += 1
+        return result
+
+
+def unsendable(slot: Slot, tool: str, args: dict[str, Any], exc: ProtocolError) -> ExecutionResult:
+    """The failed result of a call whose arguments JSON cannot carry (``bad_request``),
+    naming the arguments at fault."""
+    bad = [k for k, v in args.items() if not _json_ok(v)]
+    named = f"argument {', '.join(map(repr, bad))} " if bad else "arguments "
+    return ExecutionResult.failure(f"{tool} {named}cannot be sent as JSON: {exc}", slot.slot_id,
+                                   "bad_request")
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
