@@ -19,6 +19,7 @@ answering, not a call's timeout (the agent enforces that), one per group is enou
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from . import tracing
@@ -69,12 +70,15 @@ class CallGroup:
 
 
 async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], touched: dict[Any, None],
-                    spans: dict[int, tuple[Any, float]]) -> list[Any]:
-    """``execute_batch``'s wait: each waiting call's outcome (the agent's reply, or an exception), in order: from
-    its sandbox's :class:`CallGroup` once that is complete, or from its own future (a
-    call with a listener). Futures one after another, not gather(): a batch's results
-    come in one frame, so the task wakes once and finds the rest done (gather schedules
-    a callback per future: a loop pass each).
+                          spans: dict[int, tuple[Any, float]],
+                          finish: Callable[[tuple, Any], None]) -> None:
+    """``execute_batch``'s wait: ``finish(entry, outcome)`` for each waiting call with its
+    outcome (the agent's reply, or an exception): a sandbox's calls as soon as its
+    :class:`CallGroup` is complete (while other sandboxes' calls still run, so that the
+    results are made meanwhile, not all after the last), a call with a listener from its
+    own future. Futures one after another, not gather(): a batch's results come in one
+    frame, so the task wakes once and finds the rest done (gather schedules a callback
+    per future: a loop pass each).
 
     ``waiting``: ``(index, pool, tool, slot, sandbox, id, group or future, execution id,
     record)`` per call sent; ``touched``: the sandboxes written to; ``spans``: request
@@ -84,31 +88,44 @@ async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], to
     answered, last ones first and in one write per sandbox, so that a call queued behind
     a cancelled one in its slot is dropped before that one ends, never started; ends the
     calls' spans; re-raises."""
-    outcomes: list[Any] = []
+    members: dict[asyncio.Future, list[tuple]] = {}
+    alone = []
+    for w in waiting:
+        waiter = w[6]
+        if isinstance(waiter, CallGroup):
+            members.setdefault(waiter.future, []).append(w)
+        else:
+            alone.append(w)
+    finished: set[int] = set()
     try:
-        for group in groups.values():
-            await group.future  # set_result only: complete, or cancelled with the task
-        for w in waiting:
-            waiter = w[6]
-            if isinstance(waiter, CallGroup):
-                outcomes.append(waiter.outcome(w[5]))
-                continue
+        pending = set(members)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                for w in members[fut]:
+                    finished.add(w[0])
+                    finish(w, w[6].outcome(w[5]))
+        for w in alone:
             try:
-                outcomes.append(await waiter)
+                outcome = await w[6]
             except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:
-                outcomes.append(exc)
+                outcome = exc
+            finished.add(w[0])
+            finish(w, outcome)
     except asyncio.CancelledError:
         for sb, group in groups.items():
             sb.abandon(group)
-        for _, pool, _, slot, sb, mid, waiter, _, rec in reversed(waiting):
+        for i, pool, _, slot, sb, mid, waiter, _, rec in reversed(waiting):
+            if i in finished:
+                continue
             if not isinstance(waiter, CallGroup) and (not waiter.done() or waiter.cancelled()):
                 sb.cancel(mid, flush=False)
             pool.call_ended(rec, slot)
         for sb in touched:
             sb.flush()
-        for span, _ in spans.values():
-            tracing.end_error(span, asyncio.CancelledError("the batch was cancelled"))
+        for i, (span, _) in spans.items():
+            if i not in finished:
+                tracing.end_error(span, asyncio.CancelledError("the batch was cancelled"))
         raise
-    return outcomes

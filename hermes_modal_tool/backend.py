@@ -407,8 +407,8 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
         touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
         groups: dict[Any, CallGroup] = {}  # sandbox -> the batch's calls there (no listener)
-        counted: dict[SandboxPool, int] = {}  # grouped calls per pool, for its call rate
-        waiting: list[tuple[int, Any, str, Slot, Any, int, asyncio.Future, str, Any]] = []
+        waiting: list[tuple[int, Any, str, Slot, Any, int, Any, str, Any]] = []
+        valid = []
         for i, req in enumerate(requests):
             try:
                 slot, tool, args = req
@@ -432,37 +432,48 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
                                                      slot.slot_id, "slot_not_held")
                 continue
-            if on_output is None:  # one CallGroup per sandbox (_call_group.py)
-                submitted = pool.submit_grouped(slot, tool, dict(args), timeout_s, groups)
-                counted[pool] = counted.get(pool, 0) + 1
-            else:
-                submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False,
-                                        listener=streaming.listener(i, slot.slot_id, on_output))
+            valid.append((i, slot, tool, args, pool))
+
+        def sent(i: int, slot: Slot, tool: str, pool: SandboxPool, submitted: Any) -> None:
             if isinstance(submitted, ExecutionResult):
                 results[i] = submitted
-                continue
+                return
             sb, mid, waiter, rec = submitted
             if traced:
                 spans[i] = tracing.call_span(slot, tool)
             touched[sb] = None
             waiting.append((i, pool, tool, slot, sb, mid, waiter, execution_id(), rec))
-        for sb, group in groups.items():
-            sb.arm(group)
-        for pool, n in counted.items():
-            pool.count_rate(n)
+
+        if on_output is None:
+            # One CallGroup per sandbox (_call_group.py), each sent as soon as its calls are
+            # queued: an agent starts on its calls while the host queues the next sandbox's.
+            for sandbox, items in _by_sandbox(valid).items():
+                for i, slot, tool, args, pool in items:
+                    sent(i, slot, tool, pool, pool.submit_grouped(slot, tool, dict(args), timeout_s, groups))
+                group = groups.get(sandbox)
+                if group is not None:
+                    items[0][4].count_rate(len(items))
+                    sandbox.arm(group)
+                    sandbox.flush()
+        else:
+            for i, slot, tool, args, pool in valid:
+                sent(i, slot, tool, pool, pool.submit(slot, tool, dict(args), timeout_s, flush=False,
+                                                      listener=streaming.listener(i, slot.slot_id, on_output)))
         for sb in touched:
             sb.flush()
+
+        def finish(w: tuple, outcome: Any) -> None:
+            i, pool, tool, slot, _sb, _mid, _waiter, eid, rec = w
+            pool.call_ended(rec, slot)
+            if isinstance(outcome, ProtocolError):  # a grouped call JSON could not carry
+                results[i] = unsendable(slot, tool, requests[i][2], outcome)
+            else:
+                results[i] = pool.to_result(slot, tool, outcome, eid)
+            if traced:
+                tracing.end_call_span(*spans[i], results[i])
+
         if waiting:
-            outcomes = await gather_outcomes(waiting, groups, touched, spans)
-            for (i, pool, tool, slot, _sb, _mid, _waiter, eid, rec), outcome in zip(waiting, outcomes,
-                                                                                    strict=True):
-                pool.call_ended(rec, slot)
-                if isinstance(outcome, ProtocolError):  # a grouped call JSON could not carry
-                    results[i] = unsendable(slot, tool, requests[i][2], outcome)
-                else:
-                    results[i] = pool.to_result(slot, tool, outcome, eid)
-                if traced:
-                    tracing.end_call_span(*spans[i], results[i])
+            await gather_outcomes(waiting, groups, touched, spans, finish)
         return results  # type: ignore[return-value]
 
 
@@ -476,6 +487,22 @@ class ModalToolBackend(ToolBackend):
     @staticmethod
     def _default_config() -> SandboxConfig:
         return ModalSandboxConfig()
+
+
+def _by_sandbox(valid: list[tuple[int, Slot, str, Any, SandboxPool]]) -> dict[Any, list[tuple]]:
+    """A batch's valid requests by the sandbox of their slot's lease (None for a slot
+    whose lease is gone: its call fails when submitted), in first-use order, each
+    sandbox's in input order (so a slot's calls keep theirs)."""
+    out: dict[Any, list[tuple]] = {}
+    for item in valid:
+        rec = item[1]._sandbox
+        key = getattr(rec, "sandbox", None)
+        bucket = out.get(key)
+        if bucket is None:
+            out[key] = [item]
+        else:
+            bucket.append(item)
+    return out
 
 
 def _bad_request(error: str, slot_id: str | None = None) -> ExecutionResult:
