@@ -23,7 +23,8 @@ g. live output (``streaming.py``): one slot's streaming throughput against ``sub
 s. scaling (``_scaling.py``, not in the default set): ``--scale-slots`` slots over 1, 2, 4,
    ... sandboxes up to ``--max-sandboxes`` (default twice the CPUs), calls/s against as
    many raw bashes, the ratio, and the CPU per call by part, on the stdlib event loop and
-   on uvloop when installed.
+   on uvloop when installed (``--counts 8,16`` for those sandbox counts only, ``--loops
+   asyncio`` for one loop).
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
 persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
