@@ -45,6 +45,9 @@ class Transfer:
         seconds: wall time of the transfer.
         skipped: entries of a directory left out (links leading out of it, devices,
             FIFOs, sockets; on download also files not owned by the slot).
+        kept: a resumed directory's files found complete on the receiving end (same
+            size, SHA-256 and mode) and not sent; their bytes count in ``size``, not in
+            ``bytes``.
     """
 
     remote_path: str
@@ -54,6 +57,7 @@ class Transfer:
     sha256: str | None
     seconds: float
     skipped: int = 0
+    kept: int = 0
 
     @property
     def mb_per_s(self) -> float:

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator
 from typing import IO, TYPE_CHECKING, Any
 
 from . import _transfer_wire as wire
+from ._transfer_resume import download_tree_resumed, upload_tree_resumed
 from ._transfer_tree import download_tree, upload_tar_stream, upload_tree
 from ._transfer_wire import (
     CHUNK_BYTES,
@@ -87,15 +88,19 @@ async def _file_chunks(fh: IO[bytes], digest: hashlib._Hash, sent: list[int]) ->
 
 
 async def upload_file(backend: BackendView, slot: Slot, fh: IO[bytes], remote: str,
-                      offset: int = 0) -> Transfer:
-    """Send the rest of binary file object ``fh`` (from ``offset``) to ``remote`` in the slot."""
+                      offset: int = 0, meta: list[int] | None = None) -> Transfer:
+    """Send the rest of binary file object ``fh`` (from ``offset``) to ``remote`` in the
+    slot; ``meta``: ``[mode, mtime]`` the slot's file gets at the end (a resumed directory's)."""
     started = time.monotonic()
     sb, index = _where(backend, slot)
     digest = await asyncio.to_thread(_prefix_sha, fh, offset) if offset else hashlib.sha256()
     what = f"{remote}: upload into slot {slot.slot_id}"
     _count(slot, "upload")
-    opened = await _ask(sb, {"op": "upload", "slot": index, "path": remote, "kind": "file", "offset": offset,
-                             "sha256": digest.hexdigest() if offset else None}, what)
+    ask = {"op": "upload", "slot": index, "path": remote, "kind": "file", "offset": offset,
+           "sha256": digest.hexdigest() if offset else None}
+    if meta is not None:
+        ask["meta"] = meta
+    opened = await _ask(sb, ask, what)
     sent = [0]
     async with contextlib.aclosing(_file_chunks(fh, digest, sent)) as chunks:
         there = await _send(sb, opened["stream"], chunks, what)
@@ -143,15 +148,23 @@ async def download_file(backend: BackendView, slot: Slot, remote: str, fh: IO[by
     return Transfer(remote, got[0], offset + got[0], 1, digest.hexdigest(), time.monotonic() - started)
 
 
-async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offset: int = 0) -> Transfer:
+async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offset: int = 0,
+                 resume: bool = False) -> Transfer:
     """``backend.upload``: a local file or directory path, or a binary file object."""
-    _check(slot, remote, offset)
+    _check(slot, remote, offset, resume)
     if isinstance(local, (str, os.PathLike)):
         path = os.fspath(local)
         if await asyncio.to_thread(os.path.isdir, path):
             if offset:
-                raise UsageError("offset applies to a single file, not a directory")
+                raise UsageError("offset applies to a single file, not a directory (resume=True "
+                                 "resumes a directory)")
+            if resume:
+                return await upload_tree_resumed(backend, slot, path, remote, upload_file)
             return await upload_tree(backend, slot, path, remote)
+    if resume:
+        raise UsageError(f"resume=True applies to a local directory, got {local!r:.80} (a file "
+                         "resumes with offset=)")
+    if isinstance(local, (str, os.PathLike)):
         try:
             fh = await asyncio.to_thread(open, path, "rb")
         except OSError as exc:
@@ -167,10 +180,16 @@ async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offs
     return await upload_file(backend, slot, local, remote, offset)
 
 
-async def download(backend: BackendView, slot: Slot, remote: str, local: Any, offset: int = 0) -> Transfer:
+async def download(backend: BackendView, slot: Slot, remote: str, local: Any, offset: int = 0,
+                   resume: bool = False) -> Transfer:
     """``backend.download``: into a local path (file, or directory for a remote directory)
     or a binary file object."""
-    _check(slot, remote, offset)
+    _check(slot, remote, offset, resume)
+    if resume:
+        if not isinstance(local, (str, os.PathLike)):
+            raise UsageError("resume=True needs a local directory path, got "
+                             f"{type(local).__name__} (a file resumes with offset=)")
+        return await download_tree_resumed(backend, slot, remote, os.fspath(local), download_file)
     if not isinstance(local, (str, os.PathLike)) and not hasattr(local, "write"):
         raise UsageError("download() of a directory needs a local directory path; of a file, "
                          f"a path or a binary file object (got {type(local).__name__})")
@@ -193,19 +212,24 @@ async def download(backend: BackendView, slot: Slot, remote: str, local: Any, of
         return await download_file(backend, slot, remote, fh, offset, opened)
 
 
-def _check(slot: Slot, remote: str, offset: int) -> None:
+def _check(slot: Slot, remote: str, offset: int, resume: bool = False) -> None:
     if not isinstance(slot, Slot):
         raise UsageError(f"expected a Slot, got {type(slot).__name__}")
     if not isinstance(remote, str) or not remote or "\x00" in remote:
         raise UsageError(f"remote path must be a non-empty string, got {remote!r:.80}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise UsageError(f"offset must be a whole number of bytes >= 0, got {offset!r}")
+    if not isinstance(resume, bool):
+        raise UsageError(f"resume must be True or False, got {resume!r:.80}")
+    if resume and offset:
+        raise UsageError(f"give offset= (a file) or resume=True (a directory), not both (offset={offset})")
 
 
 class TransferMethods:
     """``ToolBackend.upload`` and ``ToolBackend.download`` (a mixin; needs ``_check_open``)."""
 
-    async def upload(self, slot: Slot, local: Any, remote_path: str, offset: int = 0) -> Transfer:
+    async def upload(self, slot: Slot, local: Any, remote_path: str, offset: int = 0,
+                     resume: bool = False) -> Transfer:
         """Copy a local file or directory (or bytes, or a binary file object) into a slot.
 
         Streamed in binary chunks of :data:`CHUNK_BYTES` over the sandbox's stream, at
@@ -222,6 +246,12 @@ class TransferMethods:
             remote_path: where in the slot (relative: to its workspace); parents are made.
             offset: resume: the slot's file already holds the first ``offset`` bytes of
                 ``local`` (checked by checksum); only the rest is sent.
+            resume: for a local directory: send only what the slot's directory lacks
+                (``_transfer_resume``): a file it has with the same size, SHA-256 and
+                mode is kept (counted in :attr:`Transfer.kept`), a shorter file holding
+                the first bytes of the local one (an interrupted upload's) is continued
+                from its offset, everything else goes in the tar stream. Nothing in the
+                slot is deleted.
 
         Returns:
             A :class:`Transfer` (bytes moved, size, SHA-256, seconds).
@@ -236,11 +266,12 @@ class TransferMethods:
 
         with tracing.span("upload", {"slot_id": getattr(slot, "slot_id", None), "path": remote_path,
                                      "offset": offset}) as span:
-            done = await upload(self, slot, local, remote_path, offset)  # type: ignore[arg-type]
+            done = await upload(self, slot, local, remote_path, offset, resume)  # type: ignore[arg-type]
             tracing.set_attributes(span, {"bytes": done.bytes, "files": done.files, "sha256": done.sha256})
             return done
 
-    async def download(self, slot: Slot, remote_path: str, local: Any, offset: int = 0) -> Transfer:
+    async def download(self, slot: Slot, remote_path: str, local: Any, offset: int = 0,
+                       resume: bool = False) -> Transfer:
         """Copy a file or directory of a slot to a local path (or a binary file object).
 
         Streamed as :meth:`upload`, read through the slot's own view; a directory comes
@@ -256,6 +287,9 @@ class TransferMethods:
                 object (for a file; readable too when ``offset`` is given).
             offset: resume: the local file holds the first ``offset`` bytes already (it
                 is cut to that length, and its checksum covers them).
+            resume: for a slot's directory (``local`` a directory path): fetch only what
+                ``local`` lacks, as :meth:`upload`'s ``resume`` (the local directory is
+                compared: kept, continued from an offset, or fetched in the tar stream).
 
         Returns:
             A :class:`Transfer`.
@@ -270,6 +304,6 @@ class TransferMethods:
 
         with tracing.span("download", {"slot_id": getattr(slot, "slot_id", None), "path": remote_path,
                                        "offset": offset}) as span:
-            done = await download(self, slot, remote_path, local, offset)  # type: ignore[arg-type]
+            done = await download(self, slot, remote_path, local, offset, resume)  # type: ignore[arg-type]
             tracing.set_attributes(span, {"bytes": done.bytes, "files": done.files, "sha256": done.sha256})
             return done

@@ -96,6 +96,9 @@ class Upload(Stream):
                 written += len(blob)
                 self.taken = None
                 self.reply(mid, {"written": written})
+            if self.meta is not None:  # a resumed directory's file: the mode and time its tar member had
+                os.fchmod(fd, int(self.meta[0]) & 0o1777)
+                os.utime(fd, (int(self.meta[1]), int(self.meta[1])))
             size = os.fstat(fd).st_size  # what the file holds, not what was counted
         finally:
             os.close(fd)

@@ -64,6 +64,12 @@ def _open(agent, msg):
         raise StreamError("offset must be a whole number of bytes >= 0, got %r" % (offset,))
     if op == "upload" and kind not in ("file", "tar"):
         raise StreamError("upload kind must be 'file' or 'tar', got %r" % (kind,))
+    if op == "download" and kind not in ("file", "manifest"):
+        raise StreamError("download kind must be 'file' or 'manifest', got %r" % (kind,))
+    meta = msg.get("meta")
+    if meta is not None and not (isinstance(meta, list) and len(meta) == 2 and kind == "file" and op == "upload"
+                                 and all(isinstance(v, int) and not isinstance(v, bool) for v in meta)):
+        raise StreamError("meta must be [mode, mtime] (whole numbers) of an uploaded file, got %r" % (meta,))
     streams = streams_of(agent)
     if len(streams) >= MAX_STREAMS:
         raise StreamError("%d transfers are open in this sandbox already; finish one first" % MAX_STREAMS)
