@@ -90,6 +90,11 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 #: Largest frame either side accepts (bytes). A bigger frame is a protocol error.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+#: Frames at least this long that come in pieces are assembled in a buffer of their own
+#: size (``FrameDecoder.feed``); up to :data:`MAX_WHOLE_BYTES` (a longer one grows as it
+#: comes, so a length word alone never makes the decoder hold more than it was sent).
+WHOLE_FRAME_BYTES = 64 * 1024
+MAX_WHOLE_BYTES = 16 * 1024 * 1024
 #: Top bit of a frame's length word: a binary frame (see the module doc).
 BINARY_FLAG = 0x80000000
 _JSON_LEN = struct.Struct(">I")
@@ -388,13 +393,49 @@ class FrameDecoder:
         [{'id': 1, 'op': 'status'}]
     """
 
-    __slots__ = ("_buffer",)
+    __slots__ = ("_buffer", "_whole", "_filled")
 
     def __init__(self):
         self._buffer = bytearray()
+        self._whole = None  # a large frame being assembled: its bytes, made at its full size
+        self._filled = 0
 
     def feed(self, data):
         """Add bytes; return the list of messages completed by them (maybe empty).
+
+        A frame of :data:`WHOLE_FRAME_BYTES` or more (a transfer's chunk) that does not
+        come whole is copied once into a buffer of its size, made when its length word
+        arrives, and decoded from there (before, it was kept in the growing buffer: a
+        copy of the rest of the read, another as each read was added, and a move of the
+        next frame's start: the host's loop spent a fifth of a download in copies)."""
+        whole = self._whole
+        if whole is None:
+            return self._feed(data)
+        at = self._filled
+        n = min(len(whole) - at, len(data))
+        view = memoryview(data)
+        try:
+            whole[at:at + n] = view[:n]
+            self._filled = at + n
+            if self._filled < len(whole):
+                return []
+            self._whole = None
+            frame = memoryview(whole)
+            try:
+                if HEADER.unpack_from(whole, 0)[0] & BINARY_FLAG:
+                    messages = [_decode_binary(frame, 4, len(whole))]
+                else:
+                    messages = [decode_payload(frame[4:])]
+            finally:
+                frame.release()
+            if n < len(data):
+                messages.extend(self._feed(view[n:]))
+            return messages
+        finally:
+            view.release()
+
+    def _feed(self, data):
+        """:meth:`feed` while no large frame is being assembled.
 
         Whole frames are decoded straight from ``data`` (one copy, into the text the
         JSON scanner reads); only an incomplete frame's bytes are kept for the next
@@ -411,6 +452,8 @@ class FrameDecoder:
             (length,) = HEADER.unpack_from(buf, 0)
             length &= ~BINARY_FLAG
             if length <= MAX_FRAME_BYTES and len(buf) < 4 + length:
+                if WHOLE_FRAME_BYTES <= length <= MAX_WHOLE_BYTES:
+                    self._keep(buf, 0, True)  # its length word is here now: assemble it whole
                 return []  # the frame is still incomplete: nothing copied (a large frame comes in many reads)
             data = buf
             kept = True
@@ -444,7 +487,24 @@ class FrameDecoder:
         return messages
 
     def _keep(self, data, start, kept):
-        """Keep ``data[start:]`` (an incomplete frame) for the next :meth:`feed`."""
+        """Keep ``data[start:]`` (an incomplete frame) for the next :meth:`feed`: one of
+        :data:`WHOLE_FRAME_BYTES` to :data:`MAX_WHOLE_BYTES` whose length word is here in
+        a buffer of its size."""
+        rest = len(data) - start
+        if rest >= 4:
+            (length,) = HEADER.unpack_from(data, start)
+            length &= ~BINARY_FLAG
+            if WHOLE_FRAME_BYTES <= length <= MAX_WHOLE_BYTES and rest < 4 + length:
+                whole = bytearray(4 + length)
+                view = memoryview(data)
+                try:
+                    whole[:rest] = view[start:]
+                finally:
+                    view.release()
+                self._whole, self._filled = whole, rest
+                if kept:
+                    self._buffer = bytearray()
+                return
         if kept:
             try:
                 del self._buffer[:start]
@@ -456,7 +516,7 @@ class FrameDecoder:
     @property
     def pending(self):
         """Number of buffered bytes that do not yet form a whole frame."""
-        return len(self._buffer)
+        return len(self._buffer) + (self._filled if self._whole is not None else 0)
 
 
 def call_result(
