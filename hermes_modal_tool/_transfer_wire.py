@@ -1,6 +1,6 @@
 """The wire of a streamed transfer (see :mod:`.filetransfer`): the :class:`Transfer` record,
 one request of a stream, and the two pipelines: chunks sent with at most :data:`DEPTH`
-unanswered, chunks asked for at most :data:`DEPTH` ahead."""
+unanswered, chunks asked for at most :data:`DOWN_DEPTH` ahead."""
 
 from __future__ import annotations
 
@@ -18,15 +18,26 @@ if TYPE_CHECKING:
     from ._backend_view import BackendView
     from .sandbox import Sandbox
 
-#: Bytes per chunk (one binary frame each). A neighbour's call waits behind at most
-#: DEPTH chunks (1 MiB) on the shared stream: the window is small, since a transfer is bound
-#: by CPU, not by round trips (measured: DEPTH 2, 4 and 8 moved 128 MiB at the
-#: same MB/s on the loaded 2-core machine), and a neighbour waits behind all of it.
-CHUNK_BYTES = 256 * 1024
-#: Chunks in flight at once per transfer.
+#: Bytes per upload chunk (one binary frame each; the agent's download chunks are its own,
+#: ``agent/files/streambase.CHUNK_BYTES``). With :data:`DEPTH` this is the window: 4 MiB in
+#: flight. It was 256 KiB (1 MiB in flight): neither end was busy (py-spy: the agent's
+#: writer thread waited for chunks 93% of a 512 MiB upload, both loops ~40% in epoll),
+#: the pace was set by the hand-offs per chunk (host loop -> pipe -> agent loop -> the
+#: stream's thread -> agent loop -> pipe -> host loop), each a wakeup that waits for a CPU
+#: on a busy machine; with 1 MiB chunks there are a quarter as many, and 4 MiB in flight
+#: covers their latency. A neighbour's call still waits only behind what is in the pipe
+#: (the agent's loop reads the window into the stream's queue as it comes).
+CHUNK_BYTES = 1024 * 1024
+#: Chunks in flight at once per upload.
 DEPTH = 4
-#: Chunks of a local file read (and hashed) per worker-thread hand-off on upload.
-READ_BATCH = 4
+#: Chunk requests of a download ahead of the chunks taken: more than the agent lets wait
+#: in the pipe (``agent/files/streamout.PIPE_BACKLOG``, 4 of its chunks), so that the pipe
+#: never runs dry while the host writes (with 4, the pipe held one chunk at a time in
+#: practice: each went after the host's next request, a round trip per chunk).
+DOWN_DEPTH = 8
+#: Chunks of a local file read (and hashed) per worker-thread hand-off on upload (the
+#: host holds at most the window, the rest of this batch and the next: 8 MiB).
+READ_BATCH = 2
 #: Seconds the agent has to answer one chunk (or to open, or to finish a stream).
 CHUNK_WAIT_S = 300.0
 
@@ -138,9 +149,9 @@ async def _cancel(inflight: deque[asyncio.Future]) -> None:
 
 
 async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: str) -> dict[str, Any]:
-    """Ask for the chunks of download stream ``sid`` (at most :data:`DEPTH` ahead) and hand
-    them to ``sink`` in worker threads, in order, every chunk that has come in by then in
-    one hand-off (at most :data:`DEPTH`), written while the next ones come; return the last
+    """Ask for the chunks of download stream ``sid`` (at most :data:`DOWN_DEPTH` ahead) and
+    hand them to ``sink`` in worker threads, in order, every chunk that has come in by then
+    in one hand-off (at most :data:`DOWN_DEPTH`), written while the next ones come; return the last
     result (``eof``). Memory: the window, the chunks waiting, the chunks being written. The
     stream is closed at the end."""
     inflight: deque[asyncio.Future] = deque()
@@ -153,14 +164,14 @@ async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: st
 
     try:
         while True:
-            while len(inflight) < DEPTH:
+            while len(inflight) < DOWN_DEPTH:
                 inflight.append(asyncio.ensure_future(_ask(sb, {"op": "download", "stream": sid}, what)))
             got = await inflight.popleft()
             blob = got.pop("blob", b"")
             if blob:
                 waiting.append(blob)
             eof = bool(got.get("eof"))
-            if writing is not None and (writing.done() or eof or len(waiting) >= DEPTH):
+            if writing is not None and (writing.done() or eof or len(waiting) >= DOWN_DEPTH):
                 await writing
                 writing = None
             if waiting and writing is None:

@@ -9,7 +9,8 @@ file transfer) is a *binary frame*: the length word has its top bit set
 (:data:`BINARY_FLAG`; a plain frame's length is below :data:`MAX_FRAME_BYTES`, so the
 bit was never set before, and a decoder without binary frames refuses it as too long),
 and its payload is a 4-byte big-endian JSON length, that JSON object, then the bytes,
-which the decoder hands back as the message's ``"blob"`` (``bytes``); :func:`encode`
+which the decoder hands back as the message's ``"blob"`` (``bytes``, or for a large frame that came
+in pieces the ``bytearray`` it was assembled in: no copy); :func:`encode`
 makes one for a message whose ``"blob"`` is bytes-like. No base64, no JSON escaping. All slots of a sandbox share one
 stream in each direction; requests carry an ``id`` and the response to a request
 carries the same ``id``, so responses may arrive in any order.
@@ -381,6 +382,25 @@ def _decode_binary(buf, start, end):
     return message
 
 
+def _decode_whole(whole):
+    """The message of binary frame ``whole`` (a bytearray of the frame, length word
+    included, assembled by :class:`FrameDecoder`); its ``blob`` is ``whole`` itself, cut
+    to the blob's bytes (a bytearray: no copy; deleting a bytearray's front moves no bytes)."""
+    size = len(whole)
+    if size < 8:
+        raise ProtocolError("binary frame of %d bytes has no JSON length" % (size - 4))
+    (text_len,) = _JSON_LEN.unpack_from(whole, 4)
+    if text_len > size - 8:
+        raise ProtocolError("binary frame's JSON length %d passes its end" % text_len)
+    cut = 8 + text_len
+    message = decode_payload(bytes(whole[8:cut]))
+    if "blob" in message:
+        raise ProtocolError("a binary frame's JSON must not have a 'blob' key")
+    del whole[:cut]
+    message["blob"] = whole
+    return message
+
+
 class FrameDecoder:
     """Incremental decoder: feed bytes as they arrive, get complete messages back.
 
@@ -420,14 +440,14 @@ class FrameDecoder:
             if self._filled < len(whole):
                 return []
             self._whole = None
-            frame = memoryview(whole)
-            try:
-                if HEADER.unpack_from(whole, 0)[0] & BINARY_FLAG:
-                    messages = [_decode_binary(frame, 4, len(whole))]
-                else:
+            if HEADER.unpack_from(whole, 0)[0] & BINARY_FLAG:
+                messages = [_decode_whole(whole)]
+            else:
+                frame = memoryview(whole)
+                try:
                     messages = [decode_payload(frame[4:])]
-            finally:
-                frame.release()
+                finally:
+                    frame.release()
             if n < len(data):
                 messages.extend(self._feed(view[n:]))
             return messages

@@ -58,7 +58,7 @@ class Stream:
         self.expect_prefix = msg.get("sha256")
         # A resumed directory's list (JSON lines, ``treesums``): names the host has; parsed
         # in the stream's thread, never on the loop.
-        self.listing = msg.get("blob") if isinstance(msg.get("blob"), bytes) else None
+        self.listing = msg.get("blob") if isinstance(msg.get("blob"), (bytes, bytearray)) else None
         self.meta = msg.get("meta")  # an upload's file: [mode, mtime] set at its end
         self.digest = hashlib.sha256()
         self.aborted = False

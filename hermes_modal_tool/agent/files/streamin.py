@@ -31,7 +31,7 @@ class Upload(Stream):
             self.items.put(("end", mid, None))
         else:
             blob = msg.get("blob")
-            if not isinstance(blob, bytes):
+            if not isinstance(blob, (bytes, bytearray)):
                 raise StreamError("an upload chunk must come in a binary frame")
             self.items.put(("data", mid, blob))
 

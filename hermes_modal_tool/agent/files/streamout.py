@@ -24,8 +24,12 @@ from .streambase import (
 )
 
 #: Bytes of frames waiting for the host (in the agent and in the pipe, not yet read) at
-#: which a download chunk waits: a neighbour's result waits behind less than two chunks.
-PIPE_BACKLOG = 256 * 1024
+#: which a download chunk waits: a neighbour's result waits behind less than this and one
+#: chunk (1.25 MiB: about a millisecond of the host's reading). It was one chunk (256
+#: KiB): the pipe then held one chunk at a time, and each next one went only after the
+#: host's next request, a round trip per chunk (the stream probe's down ran at a third of
+#: its up).
+PIPE_BACKLOG = 1024 * 1024
 #: Bytes in the transport's own buffer past which a held chunk looks again only after
 #: :data:`BULK_RETRY_S` (or at the host's next request), not right after the flush.
 BULK_BACKLOG = 256 * 1024
