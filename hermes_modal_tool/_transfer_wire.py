@@ -19,24 +19,26 @@ if TYPE_CHECKING:
     from .sandbox import Sandbox
 
 #: Bytes per upload chunk (one binary frame each; the agent's download chunks are its own,
-#: ``agent/files/streambase.CHUNK_BYTES``). With :data:`DEPTH` this is the window: 4 MiB in
+#: ``agent/files/streambase.CHUNK_BYTES``). With :data:`DEPTH` this is the window: 2 MiB in
 #: flight. It was 256 KiB (1 MiB in flight): neither end was busy (py-spy: the agent's
 #: writer thread waited for chunks 93% of a 512 MiB upload, both loops ~40% in epoll),
 #: the pace was set by the hand-offs per chunk (host loop -> pipe -> agent loop -> the
 #: stream's thread -> agent loop -> pipe -> host loop), each a wakeup that waits for a CPU
-#: on a busy machine; with 1 MiB chunks there are a quarter as many, and 4 MiB in flight
-#: covers their latency. A neighbour's call still waits only behind what is in the pipe
-#: (the agent's loop reads the window into the stream's queue as it comes).
+#: on a busy machine; with 1 MiB chunks there are a quarter as many.
 CHUNK_BYTES = 1024 * 1024
-#: Chunks in flight at once per upload.
-DEPTH = 4
+#: Chunks in flight at once per upload. A neighbour's call waits behind what the host
+#: has written and the agent has not read yet: the window, at worst. Measured with
+#: ``benchmarks/transfer.py --mb 256`` on the loaded 2-core machine, two runs each: 4
+#: moved 287/277 MB/s with the neighbour's echo at p50 4.7/4.1 ms, p99 15.5/12.8 ms; 2
+#: moved 266/296 MB/s at p50 2.3/2.1 ms, p99 6.7/7.2 ms (main, 1 MiB in 256 KiB chunks:
+#: p50 2.2/1.9 ms).
+DEPTH = 2
 #: Chunk requests of a download ahead of the chunks taken: more than the agent lets wait
-#: in the pipe (``agent/files/streamout.PIPE_BACKLOG``, 4 of its chunks), so that the pipe
-#: never runs dry while the host writes (with 4, the pipe held one chunk at a time in
-#: practice: each went after the host's next request, a round trip per chunk).
+#: in the pipe (``agent/files/streamout.PIPE_BACKLOG``, 2 of its chunks) and reads ahead
+#: (``READ_AHEAD``, 4), so that the pipe never runs dry while the host writes.
 DOWN_DEPTH = 8
 #: Chunks of a local file read (and hashed) per worker-thread hand-off on upload (the
-#: host holds at most the window, the rest of this batch and the next: 8 MiB).
+#: host holds at most the window, the rest of this batch and the next: 6 MiB).
 READ_BATCH = 2
 #: Seconds the agent has to answer one chunk (or to open, or to finish a stream).
 CHUNK_WAIT_S = 300.0
