@@ -8,7 +8,8 @@ letting at most 512 KiB wait in the pipe (``agent/files/streamout.PIPE_BACKLOG``
 the flow control, and it bounds memory: on the host at most 6 MiB per upload (the 2 MiB
 window, the rest of a batch of :data:`~._transfer_wire.READ_BATCH` chunks read ahead and
 the next batch) and 4 MiB per download (chunks come in and chunks being written); in
-the agent 2 MiB per upload (the window, queued for the stream's thread) and 1 MiB per
+the agent 4 MiB per upload (chunks answered on arrival, ``agent/files/streamin.AHEAD_BYTES``,
+and the window, queued for the stream's thread) and 1 MiB per
 download (``READ_AHEAD`` chunks read ahead) besides what waits in the pipe.
 On each end the file is read or written, and hashed, in a thread (the host's worker
 threads; a thread of the transfer's own in the agent, ``agent/files/streams.py``),

@@ -53,7 +53,8 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
               through the slot's view (``agent/files/filesums.py``; streamed transfer checks).
 ``upload``    ``{"slot": int, "path": str, "kind": "file"|"tar", "offset"?, "sha256"?}``: open a
               stream into the slot (``agent/files/streams.py``), result ``{"stream"}``; then
-              ``{"stream", "blob"}`` per chunk (binary frames, answered once written) and
+              ``{"stream", "blob"}`` per chunk (binary frames, answered once written, or
+              on arrival while 2 MiB or less wait to be written) and
               ``{"stream", "end": true}`` (result: ``size``, ``sha256``, ``files``, ``bytes``)
               or ``{"stream", "abort": true}``.
 ``download``  ``{"slot": int, "path": str, "offset"?}``: open a stream out of the slot (a file,

@@ -148,3 +148,20 @@ async def test_resume_arguments_are_clear(make_backend, tmp_path):
     # A directory the slot does not have yet: everything is sent (nothing to keep).
     done = await backend.upload(slot, tmp_path, "new/dir", resume=True)
     assert done.kept == 0 and done.files == 1
+
+
+
+async def test_a_write_that_fails_fails_the_upload_though_its_chunk_was_answered(make_backend):
+    """Chunks of a file upload are answered as they arrive (``streamin.AHEAD_BYTES``, here
+    both chunks), so a write that fails is told to a later chunk or to the end: the upload
+    still fails, with the file system's reason."""
+    backend = await make_backend(slot_disk=16)
+    slot = await backend.acquire("t")
+    data = os.urandom(1_500_000)  # two chunks, both answered on arrival
+    r = await bash(backend, slot, "dd if=/dev/zero of=fill bs=1M count=64 2>&1; sync")
+    assert "No space" in r.output or "quota" in r.output.lower(), r.output
+    with pytest.raises(TransferError, match="(?i)no space|quota"):
+        await backend.upload(slot, data, "big.bin")
+    assert (await bash(backend, slot, "rm -f fill big.bin")).success
+    ok = await backend.upload(slot, data, "big.bin")  # positive control: with room, it goes
+    assert ok.size == len(data)

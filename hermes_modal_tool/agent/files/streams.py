@@ -13,8 +13,9 @@ directory's descriptor. On the loop a chunk costs a dict and a queue put: the by
 come in a binary frame (``protocol``: no base64, no JSON), so a transfer never stalls
 the loop that serves the other slots.
 
-Flow control and memory: an upload chunk is answered once written, so the host's
-window bounds what waits; a download reads at most :data:`READ_AHEAD` chunks ahead of
+Flow control and memory: a file upload's chunk is answered as it arrives while less
+than ``streamin.AHEAD_BYTES`` (2 MiB) wait to be written, else once written (a tar
+stream's, once read), so the host's window and that bound what waits; a download reads at most :data:`READ_AHEAD` chunks ahead of
 the host's requests. A slot's reset or the agent's shutdown aborts its streams
 (:func:`drop_slot`, :func:`drop_all`).
 """
