@@ -92,11 +92,9 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 #: Largest frame either side accepts (bytes). A bigger frame is a protocol error.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
-#: Frames at least this long that come in pieces are assembled in a buffer of their own
-#: size (``FrameDecoder.feed``); up to :data:`MAX_WHOLE_BYTES` (a longer one grows as it
-#: comes, so a length word alone never makes the decoder hold more than it was sent).
-WHOLE_FRAME_BYTES = 64 * 1024
-MAX_WHOLE_BYTES = 16 * 1024 * 1024
+#: Frames of this many bytes, up to MAX_WHOLE_BYTES, that come in pieces are assembled in a
+#: buffer of their own size (``FrameDecoder.feed``); a longer one grows as it comes.
+WHOLE_FRAME_BYTES, MAX_WHOLE_BYTES = 64 * 1024, 16 * 1024 * 1024
 #: Top bit of a frame's length word: a binary frame (see the module doc).
 BINARY_FLAG = 0x80000000
 _JSON_LEN = struct.Struct(">I")
@@ -384,20 +382,17 @@ def _decode_binary(buf, start, end):
 
 
 def _decode_whole(whole):
-    """The message of binary frame ``whole`` (a bytearray of the frame, length word
-    included, assembled by :class:`FrameDecoder`); its ``blob`` is ``whole`` itself, cut
-    to the blob's bytes (a bytearray: no copy; deleting a bytearray's front moves no bytes)."""
-    size = len(whole)
-    if size < 8:
-        raise ProtocolError("binary frame of %d bytes has no JSON length" % (size - 4))
+    """The message of binary frame ``whole`` (a bytearray, length word included); its
+    ``blob`` is ``whole`` cut to the blob's bytes (no copy: a bytearray's front is cut in place)."""
+    if len(whole) < 8:
+        raise ProtocolError("binary frame of %d bytes has no JSON length" % (len(whole) - 4))
     (text_len,) = _JSON_LEN.unpack_from(whole, 4)
-    if text_len > size - 8:
+    if text_len > len(whole) - 8:
         raise ProtocolError("binary frame's JSON length %d passes its end" % text_len)
-    cut = 8 + text_len
-    message = decode_payload(bytes(whole[8:cut]))
+    message = decode_payload(bytes(whole[8:8 + text_len]))
     if "blob" in message:
         raise ProtocolError("a binary frame's JSON must not have a 'blob' key")
-    del whole[:cut]
+    del whole[:8 + text_len]
     message["blob"] = whole
     return message
 
@@ -424,11 +419,9 @@ class FrameDecoder:
     def feed(self, data):
         """Add bytes; return the list of messages completed by them (maybe empty).
 
-        A frame of :data:`WHOLE_FRAME_BYTES` or more (a transfer's chunk) that does not
-        come whole is copied once into a buffer of its size, made when its length word
-        arrives, and decoded from there (before, it was kept in the growing buffer: a
-        copy of the rest of the read, another as each read was added, and a move of the
-        next frame's start: the host's loop spent a fifth of a download in copies)."""
+        A large frame (a transfer's chunk) that comes in pieces is copied once into a
+        buffer of its size, made when its length word arrives (before: three copies and a
+        move; the host's loop spent a fifth of a download in them)."""
         whole = self._whole
         if whole is None:
             return self._feed(data)
@@ -508,9 +501,8 @@ class FrameDecoder:
         return messages
 
     def _keep(self, data, start, kept):
-        """Keep ``data[start:]`` (an incomplete frame) for the next :meth:`feed`: one of
-        :data:`WHOLE_FRAME_BYTES` to :data:`MAX_WHOLE_BYTES` whose length word is here in
-        a buffer of its size."""
+        """Keep ``data[start:]`` (an incomplete frame) for the next :meth:`feed` (a large
+        one whose length word is here: in a buffer of its size)."""
         rest = len(data) - start
         if rest >= 4:
             (length,) = HEADER.unpack_from(data, start)

@@ -221,9 +221,10 @@ class Download(Stream):
         if st is None or stat.S_ISDIR(st.st_mode):
             if self.offset:
                 raise StreamError("offset applies to a single file; %s is a directory" % shown)
-            leave_out = set(self._listed())
-            if not all(isinstance(n, str) for n in leave_out):
+            listed = self._listed()
+            if not all(isinstance(n, str) for n in listed):
                 raise StreamError("a resumed download's list must hold names")
+            leave_out = set(listed)
             fd, shown = self._open_dir(create=False)
             try:
                 self.reply(self.open_id, {"stream": self.sid, "kind": "dir", "path": shown})
