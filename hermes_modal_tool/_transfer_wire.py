@@ -19,27 +19,25 @@ if TYPE_CHECKING:
     from .sandbox import Sandbox
 
 #: Bytes per upload chunk (one binary frame each; the agent's download chunks are its own,
-#: ``agent/files/streambase.CHUNK_BYTES``). With :data:`DEPTH` this is the window: 2 MiB in
-#: flight. It was 256 KiB (1 MiB in flight): neither end was busy (py-spy: the agent's
-#: writer thread waited for chunks 93% of a 512 MiB upload, both loops ~40% in epoll),
-#: the pace was set by the hand-offs per chunk (host loop -> pipe -> agent loop -> the
-#: stream's thread -> agent loop -> pipe -> host loop), each a wakeup that waits for a CPU
-#: on a busy machine; with 1 MiB chunks there are a quarter as many.
-CHUNK_BYTES = 1024 * 1024
-#: Chunks in flight at once per upload. A neighbour's call waits behind what the host
-#: has written and the agent has not read yet: the window, at worst. Measured with
-#: ``benchmarks/transfer.py --mb 256`` on the loaded 2-core machine, two runs each: 4
-#: moved 287/277 MB/s with the neighbour's echo at p50 4.7/4.1 ms, p99 15.5/12.8 ms; 2
-#: moved 266/296 MB/s at p50 2.3/2.1 ms, p99 6.7/7.2 ms (main, 1 MiB in 256 KiB chunks:
-#: p50 2.2/1.9 ms).
-DEPTH = 2
+#: ``agent/files/streambase.CHUNK_BYTES``).
+CHUNK_BYTES = 512 * 1024
+#: Chunks of an upload the agent has not answered yet. It answers a file's chunk as it
+#: arrives (while 2 MiB or less wait for its writer, ``agent/files/streamin.AHEAD_BYTES``),
+#: so this window is what is on the way: what a neighbour's call, written after it, waits
+#: behind (512 KiB; main: up to 1 MiB, 4 chunks of 256 KiB answered once written, with
+#: the agent's writer waiting for chunks 92% of the time by py-spy). A wider window moves
+#: more and delays the neighbours: ``benchmarks/transfer.py --mb 256`` on the loaded 2-core
+#: machine, runs back to back: 1 chunk of 512 KiB 256/244 MB/s, neighbour's echo p50
+#: 2.1/1.9 ms, p99 5.9/4.8; 2 chunks 277/309/292/303 MB/s, p50 2.9/2.5/2.8/2.6 ms, p99
+#: 6.5/6.4/6.9/6.4; 2 of 1 MiB p99 6.7-15.5; main 259/289 MB/s, p50 2.0/1.6, p99 4.7/4.9.
+DEPTH = 1
 #: Chunk requests of a download ahead of the chunks taken: more than the agent lets wait
-#: in the pipe (``agent/files/streamout.PIPE_BACKLOG``, 2 of its chunks) and reads ahead
-#: (``READ_AHEAD``, 4), so that the pipe never runs dry while the host writes.
+#: in the pipe (``agent/files/streamout.PIPE_BACKLOG``) and reads ahead (``READ_AHEAD``,
+#: 4), so that a request is always there when the agent has a chunk to send (main: 4).
 DOWN_DEPTH = 8
 #: Chunks of a local file read (and hashed) per worker-thread hand-off on upload (the
-#: host holds at most the window, the rest of this batch and the next: 6 MiB).
-READ_BATCH = 2
+#: host holds at most the window, the rest of this batch and the next: 4.5 MiB).
+READ_BATCH = 4
 #: Seconds the agent has to answer one chunk (or to open, or to finish a stream).
 CHUNK_WAIT_S = 300.0
 

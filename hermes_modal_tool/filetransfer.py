@@ -2,13 +2,14 @@
 
 A file moves in chunks, each a *binary frame* on the sandbox's existing stream
 (``protocol``: the bytes as they are, no base64, no JSON). Up: chunks of
-:data:`CHUNK_BYTES` (1 MiB), at most :data:`DEPTH` (2) unanswered; down: the agent's
+:data:`CHUNK_BYTES` (512 KiB), at most :data:`DEPTH` (1) unanswered (the agent answers
+a file's chunk as it arrives while 2 MiB or less wait for its writer); down: the agent's
 chunks of 256 KiB, at most :data:`~._transfer_wire.DOWN_DEPTH` (8) asked ahead, the agent
-letting at most 512 KiB wait in the pipe (``agent/files/streamout.PIPE_BACKLOG``). That is
-the flow control, and it bounds memory: on the host at most 6 MiB per upload (the 2 MiB
+letting at most 256 KiB wait in the pipe (``agent/files/streamout.PIPE_BACKLOG``). That is
+the flow control, and it bounds memory: on the host at most 4.5 MiB per upload (the
 window, the rest of a batch of :data:`~._transfer_wire.READ_BATCH` chunks read ahead and
 the next batch) and 4 MiB per download (chunks come in and chunks being written); in
-the agent 4 MiB per upload (chunks answered on arrival, ``agent/files/streamin.AHEAD_BYTES``,
+the agent 2.5 MiB per upload (chunks answered on arrival, ``agent/files/streamin.AHEAD_BYTES``,
 and the window, queued for the stream's thread) and 1 MiB per
 download (``READ_AHEAD`` chunks read ahead) besides what waits in the pipe.
 On each end the file is read or written, and hashed, in a thread (the host's worker

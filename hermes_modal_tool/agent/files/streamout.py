@@ -24,15 +24,12 @@ from .streambase import (
 )
 
 #: Bytes of frames waiting for the host (in the agent and in the pipe, not yet read) at
-#: which a download chunk waits: a neighbour's result waits behind less than this and one
-#: chunk (768 KiB). It was one chunk (256 KiB): the pipe then held one chunk at a time,
-#: and each next one went only after the host's next request, a round trip per chunk
-#: (the stream probe's down ran at a third of its up). Measured with
-#: ``benchmarks/transfer.py --mb 256`` on the loaded 2-core machine, two runs each: 1 MiB
-#: gave stream down 1157/999 MB/s, the neighbour's echo during a download p50 3.8/5.2 ms,
-#: p99 8.9/10.0; 512 KiB 670/988 MB/s, p50 3.1/2.4 ms, p99 9.3/5.5 (main: 337/675 MB/s,
-#: p50 2.6/1.5 ms, p99 13.3/3.6).
-PIPE_BACKLOG = 512 * 1024
+#: which a download chunk waits: a neighbour's result waits behind less than two chunks.
+#: (512 KiB moved the stream probe's down faster, 670-1157 MB/s against 337-675, but
+#: doubled the neighbour's echo p99 during a download on the loaded 2-core machine:
+#: 5.1-7.3 ms against 3.0-3.4 at main; with the host asking 8 chunks ahead and the frame
+#: decoder's copies gone, 256 KiB gave 4.6/6.6 ms at main's 4.5/5.5, download MB/s equal.)
+PIPE_BACKLOG = 256 * 1024
 #: Bytes in the transport's own buffer past which a held chunk looks again only after
 #: :data:`BULK_RETRY_S` (or at the host's next request), not right after the flush.
 BULK_BACKLOG = 256 * 1024
