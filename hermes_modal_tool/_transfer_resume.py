@@ -1,5 +1,7 @@
-"""Resumed directory transfers (``backend.upload(..., resume=True)``, ``backend.download(...,
-resume=True)``; see :mod:`.filetransfer`).
+"""Resumed transfers (``backend.upload(..., resume=True)``, ``backend.download(...,
+resume=True)``; see :mod:`.filetransfer`): a directory's, as below; a single file's by the
+slot's ``checksum`` (its size and SHA-256, and that of its first bytes) compared with the
+local file's (:func:`upload_file_resumed`, :func:`download_resumed`).
 
 Both ends list the directory's regular files with their size, mode and SHA-256
 (``agent/files/treesums.py``: the agent on the slot's directory, in a download stream of
@@ -23,6 +25,7 @@ remote manifest); the agent holds the host's list of names for the time of the s
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import stat
@@ -213,3 +216,82 @@ def _open_beneath(top: str, rel: str) -> Any:
 def _set_meta(fd: int, mode: int, mtime: int) -> None:
     os.fchmod(fd, mode & 0o1777)
     os.utime(fd, (mtime, mtime))
+
+
+# -- a single file: resume=True finds the offset itself ------------------------------------
+def _sha_of(path: str, n: int | None = None) -> tuple[int, str]:
+    """``(size, SHA-256 of the first n bytes, or of all)`` of local file ``path``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        left = size if n is None else min(n, size)
+        while left:
+            piece = fh.read(min(left, 1 << 20))
+            if not piece:
+                break
+            digest.update(piece)
+            left -= len(piece)
+    return size, digest.hexdigest()
+
+
+async def _remote_sums(sb: Sandbox, index: int, remote: str, prefix: int | None, what: str
+                       ) -> dict[str, Any] | None:
+    """The slot's file's ``size``, ``sha256`` (and ``prefix_sha256``), None when it is missing."""
+    ask: dict[str, Any] = {"op": "checksum", "slot": index, "path": remote}
+    if prefix is not None:
+        ask["prefix"] = prefix
+    try:
+        return await _ask(sb, ask, what)
+    except TransferError as exc:
+        if "no such file" in str(exc) or "no such directory" in str(exc):
+            return None
+        raise
+
+
+async def upload_file_resumed(backend: Any, slot: Slot, path: str, remote: str,
+                              upload: Callable[..., Awaitable[Transfer]]) -> Transfer:
+    """Local file ``path`` to the slot's ``remote``: nothing when the slot's file is equal,
+    the rest when it holds the local file's first bytes, else all of it. ``upload``:
+    :func:`.filetransfer.upload`."""
+    started = time.monotonic()
+    sb, index = _where(backend, slot)
+    what = f"{remote}: resumed upload of {path} into slot {slot.slot_id}"
+    theirs = await _remote_sums(sb, index, remote, None, what)
+    if theirs is not None:
+        try:
+            size, head = await asyncio.to_thread(_sha_of, path, theirs["size"])
+        except OSError as exc:
+            raise UsageError(f"cannot read {path!r}: {exc.strerror}") from None
+        if theirs["size"] <= size and head == theirs["sha256"]:
+            if theirs["size"] == size:
+                return Transfer(remote, 0, size, 0, head, time.monotonic() - started, 0, 1)
+            return await upload(backend, slot, path, remote, theirs["size"])
+    return await upload(backend, slot, path, remote, 0)
+
+
+async def download_resumed(backend: Any, slot: Slot, remote: str, top: str,
+                           download: Callable[..., Awaitable[Transfer]],
+                           download_file: Callable[..., Awaitable[Transfer]]) -> Transfer:
+    """``download(..., resume=True)``: a slot's directory into local directory ``top``
+    (:func:`download_tree_resumed`), or a slot's file into local file ``top``: nothing when
+    equal, the rest when the local file holds its first bytes, else all of it."""
+    started = time.monotonic()
+    if await asyncio.to_thread(os.path.isdir, top):
+        return await download_tree_resumed(backend, slot, remote, top, download_file)
+    sb, index = _where(backend, slot)
+    what = f"{remote}: resumed download from slot {slot.slot_id}"
+    have = await asyncio.to_thread(lambda: os.stat(top).st_size if os.path.isfile(top) else None)
+    try:
+        theirs = await _ask(sb, {"op": "checksum", "slot": index, "path": remote,
+                                 **({"prefix": have} if have is not None else {})}, what)
+    except TransferError as exc:
+        if str(exc).endswith("is a directory"):
+            return await download_tree_resumed(backend, slot, remote, top, download_file)
+        raise
+    if have is not None and have <= theirs["size"]:
+        size, mine = await asyncio.to_thread(_sha_of, top)
+        if mine == (theirs["sha256"] if size == theirs["size"] else theirs.get("prefix_sha256")):
+            if size == theirs["size"]:
+                return Transfer(remote, 0, size, 0, mine, time.monotonic() - started, 0, 1)
+            return await download(backend, slot, remote, top, size)
+    return await download(backend, slot, remote, top, 0)

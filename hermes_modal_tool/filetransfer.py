@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator
 from typing import IO, TYPE_CHECKING, Any
 
 from . import _transfer_wire as wire
-from ._transfer_resume import download_tree_resumed, upload_tree_resumed
+from ._transfer_resume import download_resumed, upload_file_resumed, upload_tree_resumed
 from ._transfer_tree import download_tree, upload_tar_stream, upload_tree
 from ._transfer_wire import (
     CHUNK_BYTES,
@@ -168,9 +168,11 @@ async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offs
             if resume:
                 return await upload_tree_resumed(backend, slot, path, remote, upload_file)
             return await upload_tree(backend, slot, path, remote)
+        if resume:
+            return await upload_file_resumed(backend, slot, path, remote, upload)
     if resume:
-        raise UsageError(f"resume=True applies to a local directory, got {local!r:.80} (a file "
-                         "resumes with offset=)")
+        raise UsageError(f"resume=True needs a local file or directory path, got {type(local).__name__} "
+                         "(a file object resumes with offset=)")
     if isinstance(local, (str, os.PathLike)):
         try:
             fh = await asyncio.to_thread(open, path, "rb")
@@ -194,9 +196,9 @@ async def download(backend: BackendView, slot: Slot, remote: str, local: Any, of
     _check(slot, remote, offset, resume)
     if resume:
         if not isinstance(local, (str, os.PathLike)):
-            raise UsageError("resume=True needs a local directory path, got "
-                             f"{type(local).__name__} (a file resumes with offset=)")
-        return await download_tree_resumed(backend, slot, remote, os.fspath(local), download_file)
+            raise UsageError("resume=True needs a local file or directory path, got "
+                             f"{type(local).__name__} (a file object resumes with offset=)")
+        return await download_resumed(backend, slot, remote, os.fspath(local), download, download_file)
     if not isinstance(local, (str, os.PathLike)) and not hasattr(local, "write"):
         raise UsageError("download() of a directory needs a local directory path; of a file, "
                          f"a path or a binary file object (got {type(local).__name__})")
@@ -253,12 +255,13 @@ class TransferMethods:
             remote_path: where in the slot (relative: to its workspace); parents are made.
             offset: resume: the slot's file already holds the first ``offset`` bytes of
                 ``local`` (checked by checksum); only the rest is sent.
-            resume: for a local directory: send only what the slot's directory lacks
-                (``_transfer_resume``): a file it has with the same size, SHA-256 and
+            resume: send only what the slot lacks (``_transfer_resume``; ``local`` a
+                path). A directory: a file the slot has with the same size, SHA-256 and
                 mode is kept (counted in :attr:`Transfer.kept`), a shorter file holding
                 the first bytes of the local one (an interrupted upload's) is continued
-                from its offset, everything else goes in the tar stream. Nothing in the
-                slot is deleted.
+                from its offset, everything else goes in the tar stream; nothing in the
+                slot is deleted. A file: nothing when equal, the rest when the slot's
+                holds its first bytes, else all of it.
 
         Returns:
             A :class:`Transfer` (bytes moved, size, SHA-256, seconds).
@@ -294,9 +297,9 @@ class TransferMethods:
                 object (for a file; readable too when ``offset`` is given).
             offset: resume: the local file holds the first ``offset`` bytes already (it
                 is cut to that length, and its checksum covers them).
-            resume: for a slot's directory (``local`` a directory path): fetch only what
-                ``local`` lacks, as :meth:`upload`'s ``resume`` (the local directory is
-                compared: kept, continued from an offset, or fetched in the tar stream).
+            resume: fetch only what ``local`` (a path) lacks, as :meth:`upload`'s
+                ``resume``: a directory's files kept, continued from an offset, or
+                fetched in the tar stream; a file kept, continued, or fetched whole.
 
         Returns:
             A :class:`Transfer`.

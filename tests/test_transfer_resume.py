@@ -6,6 +6,7 @@ that differs is sent again (never kept by its name or size alone)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from pathlib import Path
 
@@ -134,22 +135,48 @@ async def test_an_interrupted_directory_download_resumes(make_backend, tmp_path,
     assert again.kept == 1 and again.bytes == len(FIRST) + len(BIG)
 
 
+async def test_a_file_resumes_without_an_offset_given(make_backend, tmp_path):
+    """``resume=True`` on a file finds the offset itself: nothing moves when the two are
+    equal, the rest when one holds the other's first bytes, all of it when they differ."""
+    backend = await make_backend()
+    slot = await backend.acquire("t")
+    data = os.urandom(700_000)
+    local = tmp_path / "f.bin"
+    local.write_bytes(data)
+    await backend.upload(slot, data[:300_000], "f.bin")  # an upload cut short
+    done = await backend.upload(slot, local, "f.bin", resume=True)
+    assert (done.bytes, done.size, done.sha256) == (400_000, 700_000, hashlib.sha256(data).hexdigest())
+    again = await backend.upload(slot, local, "f.bin", resume=True)
+    assert (again.bytes, again.kept) == (0, 1)  # equal: nothing sent
+    other = os.urandom(700_000)  # negative control: same size, other bytes: all of it again
+    local.write_bytes(other)
+    changed = await backend.upload(slot, local, "f.bin", resume=True)
+    assert changed.bytes == 700_000 and changed.sha256 == hashlib.sha256(other).hexdigest()
+    r = await bash(backend, slot, "sha256sum f.bin | cut -c1-64")
+    assert r.output.strip() == changed.sha256
+
+    back = tmp_path / "back.bin"
+    back.write_bytes(other[:123_456])  # a download cut short
+    down = await backend.download(slot, "f.bin", back, resume=True)
+    assert down.bytes == 700_000 - 123_456 and back.read_bytes() == other
+    back.write_bytes(b"x" * 1000)  # its first bytes differ: fetched whole
+    whole = await backend.download(slot, "f.bin", back, resume=True)
+    assert whole.bytes == 700_000 and back.read_bytes() == other
+
+
 async def test_resume_arguments_are_clear(make_backend, tmp_path):
     backend = await make_backend()
     slot = await backend.acquire("t")
-    await backend.upload(slot, b"abc", "f.bin")
-    (tmp_path / "f.bin").write_bytes(b"abc")
-    with pytest.raises(ValueError, match="resume=True applies to a local directory"):
-        await backend.upload(slot, tmp_path / "f.bin", "f.bin", resume=True)
+    with pytest.raises(ValueError, match="resume=True needs a local file or directory path"):
+        await backend.upload(slot, b"abc", "f.bin", resume=True)
     with pytest.raises(ValueError, match="not both"):
         await backend.upload(slot, tmp_path, "d", offset=3, resume=True)
-    with pytest.raises(TransferError, match="resume applies to a directory; f.bin is not one"):
-        await backend.download(slot, "f.bin", tmp_path / "out", resume=True)
+    with pytest.raises(ValueError, match="resume=True needs a local file or directory path"):
+        await backend.download(slot, "f.bin", io.BytesIO(), resume=True)
+    (tmp_path / "f.bin").write_bytes(b"abc")
     # A directory the slot does not have yet: everything is sent (nothing to keep).
     done = await backend.upload(slot, tmp_path, "new/dir", resume=True)
     assert done.kept == 0 and done.files == 1
-
-
 
 async def test_a_write_that_fails_fails_the_upload_though_its_chunk_was_answered(make_backend):
     """Chunks of a file upload are answered as they arrive (``streamin.AHEAD_BYTES``, here

@@ -185,8 +185,8 @@ class Download(Stream):
         except (StreamError, files.FileToolError) as exc:
             if not str(exc).startswith("no such"):
                 if "is not a directory" in str(exc):
-                    raise StreamError("resume applies to a directory; %s is not one (a file "
-                                      "resumes with offset=)" % self.path) from None
+                    raise StreamError("%s is not a directory: a file resumes into a local "
+                                      "file path" % self.path) from None
                 raise
             self.reply(self.open_id, {"stream": self.sid, "kind": "manifest", "missing": True})
             self.open_id = None
