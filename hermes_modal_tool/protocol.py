@@ -49,16 +49,19 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 ``usage``     ``{"slot": int}``: what the slot's tenant (since its last reset) used: result
               ``{"source", "cpu_user_s", "cpu_system_s", "memory_peak_bytes", "disk_bytes",
               "disk_peak_bytes", "notes"}`` (see ``hermes_modal_tool/agent/limits/usage.py``).
-``checksum``  ``{"slot": int, "path": str}``: the file's ``{"sha256", "size", "path"}``, read
-              through the slot's view (``agent/files/filesums.py``; streamed transfer checks).
-``upload``    ``{"slot": int, "path": str, "kind": "file"|"tar", "offset"?, "sha256"?}``: open a
+``checksum``  ``{"slot": int, "path": str, "prefix"?}``: the file's ``{"sha256", "size", "path"}``
+              (and ``prefix_sha256``, of its first ``prefix`` bytes), read through the slot's
+              view (``agent/files/filesums.py``; streamed transfer checks, a file's resume).
+``upload``    ``{"slot": int, "path": str, "kind": "file"|"tar", "offset"?, "sha256"?, "meta"?}``: open a
               stream into the slot (``agent/files/streams.py``), result ``{"stream"}``; then
               ``{"stream", "blob"}`` per chunk (binary frames, answered once written, or
               on arrival while 2 MiB or less wait to be written) and
               ``{"stream", "end": true}`` (result: ``size``, ``sha256``, ``files``, ``bytes``)
               or ``{"stream", "abort": true}``.
-``download``  ``{"slot": int, "path": str, "offset"?}``: open a stream out of the slot (a file,
-              or a directory as a tar), result ``{"stream", "kind"}``; then ``{"stream"}``
+``download``  ``{"slot": int, "path": str, "offset"?, "kind"?}``: open a stream out of the slot (a
+              file, or a directory as a tar; with a binary frame, JSON lines of names left
+              out of the tar), or ``kind: "manifest"``: a directory's files with sizes and
+              SHA-256 (``agent/files/treesums.py``; a resume), result ``{"stream", "kind"}``; then ``{"stream"}``
               per chunk, answered by a binary frame (``eof``, and at the end ``size``,
               ``sha256``, ``files``, ``skipped``), or ``{"stream", "abort": true}``.
 ``tunnel``    ``{"slot": int, "port": int}``: a TCP connection to ``127.0.0.1:port`` made by the
