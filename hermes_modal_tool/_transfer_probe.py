@@ -1,6 +1,7 @@
 """The stream's own speed: what the framed stream between the host and a sandbox's agent
 carries for a transfer's traffic (chunks of :data:`~._transfer_wire.CHUNK_BYTES` in
-binary frames, :data:`~._transfer_wire.DEPTH` in flight, one request and one reply each),
+binary frames, :data:`~._transfer_wire.DEPTH` in flight up, :data:`~._transfer_wire.DOWN_DEPTH`
+asked ahead down, one request and one reply each),
 with no file, thread or checksum on either end (the agent's side:
 ``agent/files/streamprobe.py``). ``benchmarks/transfer.py`` prints it beside ``cp``: the
 ceiling a transfer is measured against.
@@ -56,7 +57,7 @@ async def stream_speed(backend: BackendView, slot: Slot, nbytes: int) -> dict[st
     t0 = time.perf_counter()
     try:
         while True:
-            while len(inflight) < wire.DEPTH:
+            while len(inflight) < wire.DOWN_DEPTH:
                 inflight.append(asyncio.ensure_future(wire._ask(sb, {"op": "download", "stream": sid}, what)))
             reply = await inflight.popleft()
             got += len(reply.get("blob", b""))

@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     from .sandbox import Sandbox
 
 
-async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash) -> AsyncIterator[bytes]:
+async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash,
+                      skip: set[str] | None = None) -> AsyncIterator[bytes]:
     """Local directory ``top`` as a tar stream in chunks, packed in a worker thread (at most
-    two chunks ahead); ``counts`` gets ``[files, bytes, skipped]``."""
+    two chunks ahead); ``counts`` gets ``[files, bytes, skipped]``; ``skip``: relative
+    names of files left out (a resume's)."""
     loop = asyncio.get_running_loop()
     ready: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=2)
     stop: list[bool] = []
@@ -47,6 +49,7 @@ async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash) -> Asy
 
     class Out:
         buf = bytearray()
+        told = False
 
         def write(self, data: bytes) -> int:
             self.buf += data
@@ -55,7 +58,8 @@ async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash) -> Asy
                 del self.buf[:CHUNK_BYTES]
                 digest.update(chunk)
                 put(chunk)
-            if stop:
+            if stop and not self.told:
+                self.told = True  # once: tarfile's own close() writes again as it is dropped
                 raise TransferError("the upload stopped")
             return len(data)
 
@@ -67,7 +71,7 @@ async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash) -> Asy
             except OSError as exc:
                 raise UsageError(f"cannot read {top!r}: {exc.strerror}") from None
             try:
-                counts[:] = tarstream.pack(fd, out)
+                counts[:] = tarstream.pack(fd, out, skip=skip)
             finally:
                 os.close(fd)
             if out.buf:
@@ -94,11 +98,14 @@ async def _tar_chunks(top: str, counts: list[int], digest: hashlib._Hash) -> Asy
             pass  # raised above, or the consumer stopped first (its own error is the one)
 
 
-async def upload_tree(backend: BackendView, slot: Slot, top: str, remote: str) -> Transfer:
+async def upload_tree(backend: BackendView, slot: Slot, top: str, remote: str,
+                      skip: set[str] | None = None) -> Transfer:
+    """Local directory ``top`` to the slot's ``remote``, as one tar stream; ``skip``:
+    relative names of files left out (a resume's)."""
     started = time.monotonic()
     counts = [0, 0, 0]
     digest = hashlib.sha256()
-    there = await upload_tar_stream(backend, slot, _tar_chunks(top, counts, digest), remote,
+    there = await upload_tar_stream(backend, slot, _tar_chunks(top, counts, digest, skip), remote,
                                     f"{remote}: upload of directory {top} into slot {slot.slot_id}")
     if there["sha256"] != digest.hexdigest() or there["files"] != counts[0]:
         raise TransferError(f"{remote}: the tar stream differs after the upload (slot: {there['files']} files, "
@@ -145,6 +152,7 @@ class _BlobReader:
 
 async def download_tree(backend: BackendView, slot: Slot, remote: str, top: str,
                          opened: tuple[Sandbox, dict[str, Any], str]) -> Transfer:
+    """The slot's directory stream ``opened`` unpacked beneath local directory ``top``."""
     started = time.monotonic()
     sb, info, what = opened
     try:
@@ -174,17 +182,21 @@ async def download_tree(backend: BackendView, slot: Slot, remote: str, top: str,
             return  # it failed: its error is raised below
         reader.items.put(blob)
 
+    received = False
     try:
         there = await _receive(sb, info["stream"], feed, what)
+        received = True
     finally:
         await asyncio.to_thread(reader.items.put, None)
         try:
             made, size = await unpacking
         except tarstream.TarRefused as exc:
-            raise TransferError(f"{remote}: the slot's tar stream was refused: {exc}; nothing was "
-                                f"written outside {top}") from None
+            if received:  # else the stream's own error is the one raised (the tar was cut short)
+                raise TransferError(f"{remote}: the slot's tar stream was refused: {exc}; nothing was "
+                                    f"written outside {top}") from None
         except OSError as exc:
-            raise TransferError(f"{remote}: cannot write below {top}: {exc}") from None
+            if received:
+                raise TransferError(f"{remote}: cannot write below {top}: {exc}") from None
     if there["sha256"] != digest.hexdigest() or there["files"] != made:
         raise TransferError(f"{remote}: the tar stream differs after the download (slot: {there['files']} "
                             f"files, sha256 {there['sha256']}; host: {made} files, {digest.hexdigest()})")

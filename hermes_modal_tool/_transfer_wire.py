@@ -1,6 +1,6 @@
 """The wire of a streamed transfer (see :mod:`.filetransfer`): the :class:`Transfer` record,
 one request of a stream, and the two pipelines: chunks sent with at most :data:`DEPTH`
-unanswered, chunks asked for at most :data:`DEPTH` ahead."""
+unanswered, chunks asked for at most :data:`DOWN_DEPTH` ahead."""
 
 from __future__ import annotations
 
@@ -18,14 +18,25 @@ if TYPE_CHECKING:
     from ._backend_view import BackendView
     from .sandbox import Sandbox
 
-#: Bytes per chunk (one binary frame each). A neighbour's call waits behind at most
-#: DEPTH chunks (1 MiB) on the shared stream: the window is small, since a transfer is bound
-#: by CPU, not by round trips (measured: DEPTH 2, 4 and 8 moved 128 MiB at the
-#: same MB/s on the loaded 2-core machine), and a neighbour waits behind all of it.
-CHUNK_BYTES = 256 * 1024
-#: Chunks in flight at once per transfer.
-DEPTH = 4
-#: Chunks of a local file read (and hashed) per worker-thread hand-off on upload.
+#: Bytes per upload chunk (one binary frame each; the agent's download chunks are its own,
+#: ``agent/files/streambase.CHUNK_BYTES``).
+CHUNK_BYTES = 512 * 1024
+#: Chunks of an upload the agent has not answered yet. It answers a file's chunk as it
+#: arrives (while 2 MiB or less wait for its writer, ``agent/files/streamin.AHEAD_BYTES``),
+#: so this window is what is on the way: what a neighbour's call, written after it, waits
+#: behind (512 KiB; main: up to 1 MiB, 4 chunks of 256 KiB answered once written, with
+#: the agent's writer waiting for chunks 92% of the time by py-spy). A wider window moves
+#: more and delays the neighbours: ``benchmarks/transfer.py --mb 256`` on the loaded 2-core
+#: machine, runs back to back: 1 chunk of 512 KiB 256/244 MB/s, neighbour's echo p50
+#: 2.1/1.9 ms, p99 5.9/4.8; 2 chunks 277/309/292/303 MB/s, p50 2.9/2.5/2.8/2.6 ms, p99
+#: 6.5/6.4/6.9/6.4; 2 of 1 MiB p99 6.7-15.5; main 259/289 MB/s, p50 2.0/1.6, p99 4.7/4.9.
+DEPTH = 1
+#: Chunk requests of a download ahead of the chunks taken: more than the agent lets wait
+#: in the pipe (``agent/files/streamout.PIPE_BACKLOG``) and reads ahead (``READ_AHEAD``,
+#: 4), so that a request is always there when the agent has a chunk to send (main: 4).
+DOWN_DEPTH = 8
+#: Chunks of a local file read (and hashed) per worker-thread hand-off on upload (the
+#: host holds at most the window, the rest of this batch and the next: 4.5 MiB).
 READ_BATCH = 4
 #: Seconds the agent has to answer one chunk (or to open, or to finish a stream).
 CHUNK_WAIT_S = 300.0
@@ -45,6 +56,9 @@ class Transfer:
         seconds: wall time of the transfer.
         skipped: entries of a directory left out (links leading out of it, devices,
             FIFOs, sockets; on download also files not owned by the slot).
+        kept: a resumed directory's files found complete on the receiving end (same
+            size, SHA-256 and mode) and not sent; their bytes count in ``size``, not in
+            ``bytes``.
     """
 
     remote_path: str
@@ -54,6 +68,7 @@ class Transfer:
     sha256: str | None
     seconds: float
     skipped: int = 0
+    kept: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -134,9 +149,9 @@ async def _cancel(inflight: deque[asyncio.Future]) -> None:
 
 
 async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: str) -> dict[str, Any]:
-    """Ask for the chunks of download stream ``sid`` (at most :data:`DEPTH` ahead) and hand
-    them to ``sink`` in worker threads, in order, every chunk that has come in by then in
-    one hand-off (at most :data:`DEPTH`), written while the next ones come; return the last
+    """Ask for the chunks of download stream ``sid`` (at most :data:`DOWN_DEPTH` ahead) and
+    hand them to ``sink`` in worker threads, in order, every chunk that has come in by then
+    in one hand-off (at most :data:`DOWN_DEPTH`), written while the next ones come; return the last
     result (``eof``). Memory: the window, the chunks waiting, the chunks being written. The
     stream is closed at the end."""
     inflight: deque[asyncio.Future] = deque()
@@ -149,14 +164,14 @@ async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: st
 
     try:
         while True:
-            while len(inflight) < DEPTH:
+            while len(inflight) < DOWN_DEPTH:
                 inflight.append(asyncio.ensure_future(_ask(sb, {"op": "download", "stream": sid}, what)))
             got = await inflight.popleft()
             blob = got.pop("blob", b"")
             if blob:
                 waiting.append(blob)
             eof = bool(got.get("eof"))
-            if writing is not None and (writing.done() or eof or len(waiting) >= DEPTH):
+            if writing is not None and (writing.done() or eof or len(waiting) >= DOWN_DEPTH):
                 await writing
                 writing = None
             if waiting and writing is None:

@@ -1,10 +1,17 @@
 """Streamed file transfer between the host and a slot: ``backend.upload`` / ``backend.download``.
 
-A file moves in chunks of :data:`CHUNK_BYTES`, each a *binary frame* on the sandbox's
-existing stream (``protocol``: the bytes as they are, no base64, no JSON), at most
-:data:`DEPTH` in flight: that is the flow control, and it bounds memory on both ends
-(on the host at most ``3 * DEPTH`` chunks per transfer: the window, a batch of
-:data:`~._transfer_wire.READ_BATCH` being read or written, and the next one).
+A file moves in chunks, each a *binary frame* on the sandbox's existing stream
+(``protocol``: the bytes as they are, no base64, no JSON). Up: chunks of
+:data:`CHUNK_BYTES` (512 KiB), at most :data:`DEPTH` (1) unanswered (the agent answers
+a file's chunk as it arrives while 2 MiB or less wait for its writer); down: the agent's
+chunks of 256 KiB, at most :data:`~._transfer_wire.DOWN_DEPTH` (8) asked ahead, the agent
+letting at most 256 KiB wait in the pipe (``agent/files/streamout.PIPE_BACKLOG``). That is
+the flow control, and it bounds memory: on the host at most 4.5 MiB per upload (the
+window, the rest of a batch of :data:`~._transfer_wire.READ_BATCH` chunks read ahead and
+the next batch) and 4 MiB per download (chunks come in and chunks being written); in
+the agent 2.5 MiB per upload (chunks answered on arrival, ``agent/files/streamin.AHEAD_BYTES``,
+and the window, queued for the stream's thread) and 1 MiB per
+download (``READ_AHEAD`` chunks read ahead) besides what waits in the pipe.
 On each end the file is read or written, and hashed, in a thread (the host's worker
 threads; a thread of the transfer's own in the agent, ``agent/files/streams.py``),
 never on an event loop, so a transfer does not stall the calls of the other slots.
@@ -36,6 +43,7 @@ from collections.abc import AsyncIterator
 from typing import IO, TYPE_CHECKING, Any
 
 from . import _transfer_wire as wire
+from ._transfer_resume import download_resumed, upload_file_resumed, upload_tree_resumed
 from ._transfer_tree import download_tree, upload_tar_stream, upload_tree
 from ._transfer_wire import (
     CHUNK_BYTES,
@@ -87,15 +95,19 @@ async def _file_chunks(fh: IO[bytes], digest: hashlib._Hash, sent: list[int]) ->
 
 
 async def upload_file(backend: BackendView, slot: Slot, fh: IO[bytes], remote: str,
-                      offset: int = 0) -> Transfer:
-    """Send the rest of binary file object ``fh`` (from ``offset``) to ``remote`` in the slot."""
+                      offset: int = 0, meta: list[int] | None = None) -> Transfer:
+    """Send the rest of binary file object ``fh`` (from ``offset``) to ``remote`` in the
+    slot; ``meta``: ``[mode, mtime]`` the slot's file gets at the end (a resumed directory's)."""
     started = time.monotonic()
     sb, index = _where(backend, slot)
     digest = await asyncio.to_thread(_prefix_sha, fh, offset) if offset else hashlib.sha256()
     what = f"{remote}: upload into slot {slot.slot_id}"
     _count(slot, "upload")
-    opened = await _ask(sb, {"op": "upload", "slot": index, "path": remote, "kind": "file", "offset": offset,
-                             "sha256": digest.hexdigest() if offset else None}, what)
+    ask = {"op": "upload", "slot": index, "path": remote, "kind": "file", "offset": offset,
+           "sha256": digest.hexdigest() if offset else None}
+    if meta is not None:
+        ask["meta"] = meta
+    opened = await _ask(sb, ask, what)
     sent = [0]
     async with contextlib.aclosing(_file_chunks(fh, digest, sent)) as chunks:
         there = await _send(sb, opened["stream"], chunks, what)
@@ -143,15 +155,25 @@ async def download_file(backend: BackendView, slot: Slot, remote: str, fh: IO[by
     return Transfer(remote, got[0], offset + got[0], 1, digest.hexdigest(), time.monotonic() - started)
 
 
-async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offset: int = 0) -> Transfer:
+async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offset: int = 0,
+                 resume: bool = False) -> Transfer:
     """``backend.upload``: a local file or directory path, or a binary file object."""
-    _check(slot, remote, offset)
+    _check(slot, remote, offset, resume)
     if isinstance(local, (str, os.PathLike)):
         path = os.fspath(local)
         if await asyncio.to_thread(os.path.isdir, path):
             if offset:
-                raise UsageError("offset applies to a single file, not a directory")
+                raise UsageError("offset applies to a single file, not a directory (resume=True "
+                                 "resumes a directory)")
+            if resume:
+                return await upload_tree_resumed(backend, slot, path, remote, upload_file)
             return await upload_tree(backend, slot, path, remote)
+        if resume:
+            return await upload_file_resumed(backend, slot, path, remote, upload)
+    if resume:
+        raise UsageError(f"resume=True needs a local file or directory path, got {type(local).__name__} "
+                         "(a file object resumes with offset=)")
+    if isinstance(local, (str, os.PathLike)):
         try:
             fh = await asyncio.to_thread(open, path, "rb")
         except OSError as exc:
@@ -167,10 +189,16 @@ async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offs
     return await upload_file(backend, slot, local, remote, offset)
 
 
-async def download(backend: BackendView, slot: Slot, remote: str, local: Any, offset: int = 0) -> Transfer:
+async def download(backend: BackendView, slot: Slot, remote: str, local: Any, offset: int = 0,
+                   resume: bool = False) -> Transfer:
     """``backend.download``: into a local path (file, or directory for a remote directory)
     or a binary file object."""
-    _check(slot, remote, offset)
+    _check(slot, remote, offset, resume)
+    if resume:
+        if not isinstance(local, (str, os.PathLike)):
+            raise UsageError("resume=True needs a local file or directory path, got "
+                             f"{type(local).__name__} (a file object resumes with offset=)")
+        return await download_resumed(backend, slot, remote, os.fspath(local), download, download_file)
     if not isinstance(local, (str, os.PathLike)) and not hasattr(local, "write"):
         raise UsageError("download() of a directory needs a local directory path; of a file, "
                          f"a path or a binary file object (got {type(local).__name__})")
@@ -193,19 +221,24 @@ async def download(backend: BackendView, slot: Slot, remote: str, local: Any, of
         return await download_file(backend, slot, remote, fh, offset, opened)
 
 
-def _check(slot: Slot, remote: str, offset: int) -> None:
+def _check(slot: Slot, remote: str, offset: int, resume: bool = False) -> None:
     if not isinstance(slot, Slot):
         raise UsageError(f"expected a Slot, got {type(slot).__name__}")
     if not isinstance(remote, str) or not remote or "\x00" in remote:
         raise UsageError(f"remote path must be a non-empty string, got {remote!r:.80}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise UsageError(f"offset must be a whole number of bytes >= 0, got {offset!r}")
+    if not isinstance(resume, bool):
+        raise UsageError(f"resume must be True or False, got {resume!r:.80}")
+    if resume and offset:
+        raise UsageError(f"give offset= (a file) or resume=True (a directory), not both (offset={offset})")
 
 
 class TransferMethods:
     """``ToolBackend.upload`` and ``ToolBackend.download`` (a mixin; needs ``_check_open``)."""
 
-    async def upload(self, slot: Slot, local: Any, remote_path: str, offset: int = 0) -> Transfer:
+    async def upload(self, slot: Slot, local: Any, remote_path: str, offset: int = 0,
+                     resume: bool = False) -> Transfer:
         """Copy a local file or directory (or bytes, or a binary file object) into a slot.
 
         Streamed in binary chunks of :data:`CHUNK_BYTES` over the sandbox's stream, at
@@ -222,6 +255,13 @@ class TransferMethods:
             remote_path: where in the slot (relative: to its workspace); parents are made.
             offset: resume: the slot's file already holds the first ``offset`` bytes of
                 ``local`` (checked by checksum); only the rest is sent.
+            resume: send only what the slot lacks (``_transfer_resume``; ``local`` a
+                path). A directory: a file the slot has with the same size, SHA-256 and
+                mode is kept (counted in :attr:`Transfer.kept`), a shorter file holding
+                the first bytes of the local one (an interrupted upload's) is continued
+                from its offset, everything else goes in the tar stream; nothing in the
+                slot is deleted. A file: nothing when equal, the rest when the slot's
+                holds its first bytes, else all of it.
 
         Returns:
             A :class:`Transfer` (bytes moved, size, SHA-256, seconds).
@@ -236,11 +276,12 @@ class TransferMethods:
 
         with tracing.span("upload", {"slot_id": getattr(slot, "slot_id", None), "path": remote_path,
                                      "offset": offset}) as span:
-            done = await upload(self, slot, local, remote_path, offset)  # type: ignore[arg-type]
+            done = await upload(self, slot, local, remote_path, offset, resume)  # type: ignore[arg-type]
             tracing.set_attributes(span, {"bytes": done.bytes, "files": done.files, "sha256": done.sha256})
             return done
 
-    async def download(self, slot: Slot, remote_path: str, local: Any, offset: int = 0) -> Transfer:
+    async def download(self, slot: Slot, remote_path: str, local: Any, offset: int = 0,
+                       resume: bool = False) -> Transfer:
         """Copy a file or directory of a slot to a local path (or a binary file object).
 
         Streamed as :meth:`upload`, read through the slot's own view; a directory comes
@@ -256,6 +297,9 @@ class TransferMethods:
                 object (for a file; readable too when ``offset`` is given).
             offset: resume: the local file holds the first ``offset`` bytes already (it
                 is cut to that length, and its checksum covers them).
+            resume: fetch only what ``local`` (a path) lacks, as :meth:`upload`'s
+                ``resume``: a directory's files kept, continued from an offset, or
+                fetched in the tar stream; a file kept, continued, or fetched whole.
 
         Returns:
             A :class:`Transfer`.
@@ -270,6 +314,6 @@ class TransferMethods:
 
         with tracing.span("download", {"slot_id": getattr(slot, "slot_id", None), "path": remote_path,
                                        "offset": offset}) as span:
-            done = await download(self, slot, remote_path, local, offset)  # type: ignore[arg-type]
+            done = await download(self, slot, remote_path, local, offset, resume)  # type: ignore[arg-type]
             tracing.set_attributes(span, {"bytes": done.bytes, "files": done.files, "sha256": done.sha256})
             return done

@@ -25,7 +25,7 @@ LAYERS = [
                P + "testing"]),
     ("sessions/backend", [P + m for m in (
         "sessions", "capture", "backend", "_artifact_api", "_snapshot_api", "_status_api", "_call_api",
-        "filetransfer", "_transfer_wire", "_transfer_probe", "previews", "_transfer_tree", "processes", "shared_setup", "snapshots", "sandbox_images", "transfer",
+        "filetransfer", "_transfer_wire", "_transfer_probe", "previews", "_transfer_tree", "_transfer_resume", "processes", "shared_setup", "snapshots", "sandbox_images", "transfer",
         "streaming", "status", "_backend_view")]),
     ("pool", [P + m for m in ("pool", "_pool_status", "_pool_usage", "_pool_pick", "_pool_calls", "resets",
                               "_slot_record")]),

@@ -14,33 +14,44 @@ from . import files
 PIECE = 1024 * 1024
 
 
-def _sum(slot, path):
+def _sum(slot, path, prefix=None):
     slot.prepare_dirs()
     slot.ensure_root()
     if slot.root is not None:
         files.preload()  # imports read the agent's own files: not as the slot
     digest = hashlib.sha256()
     size = 0
+    head = None
     with slot.fs_creds():
         fh, _st, shown = slot.workspace.open_read(path)
         with fh:
             while True:
-                piece = fh.read(PIECE)
+                if size == prefix:
+                    head = digest.hexdigest()
+                piece = fh.read(PIECE if prefix is None or size >= prefix else min(PIECE, prefix - size))
                 if not piece:
                     break
                 digest.update(piece)
                 size += len(piece)
-    return {"sha256": digest.hexdigest(), "size": size, "path": shown}
+    out = {"sha256": digest.hexdigest(), "size": size, "path": shown}
+    if head is not None:
+        out["prefix_sha256"] = head
+    return out
 
 
 def dispatch(agent, msg):
-    """Answer ``{"slot": int, "path": str}`` with ``{"sha256", "size", "path"}``."""
+    """Answer ``{"slot": int, "path": str, "prefix"?: int}`` with ``{"sha256", "size",
+    "path"}`` and, when the file has at least ``prefix`` bytes, ``prefix_sha256``: the
+    SHA-256 of its first ``prefix`` bytes (a resumed download's check), in the same read."""
     mid = msg.get("id")
     slot = agent.slots.get(msg.get("slot"))
     path = msg.get("path")
-    if slot is None or not isinstance(path, str) or not path or "\x00" in path:
-        agent.send({"id": mid, "ok": False, "error": "checksum needs a slot of this sandbox and a "
-                    "path, got slot %r path %r" % (msg.get("slot"), path)})
+    prefix = msg.get("prefix")
+    if slot is None or not isinstance(path, str) or not path or "\x00" in path or not (
+            prefix is None or (isinstance(prefix, int) and not isinstance(prefix, bool) and prefix >= 0)):
+        agent.send({"id": mid, "ok": False, "error": "checksum needs a slot of this sandbox, a "
+                    "path and a prefix >= 0 or none, got slot %r path %r prefix %r"
+                    % (msg.get("slot"), path, prefix)})
         return
 
     def done(fut):
@@ -49,4 +60,4 @@ def dispatch(agent, msg):
         except Exception as exc:  # noqa: BLE001 - reported to the host
             agent.send({"id": mid, "ok": False, "error": str(exc)})
 
-    agent.loop.run_in_executor(agent.executor("files"), _sum, slot, path).add_done_callback(done)
+    agent.loop.run_in_executor(agent.executor("files"), _sum, slot, path, prefix).add_done_callback(done)

@@ -17,6 +17,8 @@ CHUNK_BYTES = 256 * 1024
 READ_AHEAD = 4
 #: Streams open at once per sandbox (each holds a thread and a descriptor).
 MAX_STREAMS = 64
+#: Names in a resumed directory transfer's list (``Stream.listing``).
+MAX_LISTED = 1000000
 
 
 class StreamError(Exception):
@@ -54,6 +56,10 @@ class Stream:
         self.kind = kind
         self.offset = offset
         self.expect_prefix = msg.get("sha256")
+        # A resumed directory's list (JSON lines, ``treesums``): names the host has; parsed
+        # in the stream's thread, never on the loop.
+        self.listing = msg.get("blob") if isinstance(msg.get("blob"), (bytes, bytearray)) else None
+        self.meta = msg.get("meta")  # an upload's file: [mode, mtime] set at its end
         self.digest = hashlib.sha256()
         self.aborted = False
         self.thread = threading.Thread(target=self._run, name="hermes-modal-tool-" + sid, daemon=True)

@@ -48,7 +48,7 @@ class Probe:
             return
         if self.op == "upload":
             blob = msg.get("blob")
-            if not isinstance(blob, bytes):
+            if not isinstance(blob, (bytes, bytearray)):
                 raise StreamError("an upload chunk must come in a binary frame")
             self.moved += len(blob)
             self.agent.send({"id": mid, "ok": True, "result": {"written": self.moved}})

@@ -13,8 +13,9 @@ directory's descriptor. On the loop a chunk costs a dict and a queue put: the by
 come in a binary frame (``protocol``: no base64, no JSON), so a transfer never stalls
 the loop that serves the other slots.
 
-Flow control and memory: an upload chunk is answered once written, so the host's
-window bounds what waits; a download reads at most :data:`READ_AHEAD` chunks ahead of
+Flow control and memory: a file upload's chunk is answered as it arrives while less
+than ``streamin.AHEAD_BYTES`` (2 MiB) wait to be written, else once written (a tar
+stream's, once read), so the host's window and that bound what waits; a download reads at most :data:`READ_AHEAD` chunks ahead of
 the host's requests. A slot's reset or the agent's shutdown aborts its streams
 (:func:`drop_slot`, :func:`drop_all`).
 """
@@ -64,6 +65,12 @@ def _open(agent, msg):
         raise StreamError("offset must be a whole number of bytes >= 0, got %r" % (offset,))
     if op == "upload" and kind not in ("file", "tar"):
         raise StreamError("upload kind must be 'file' or 'tar', got %r" % (kind,))
+    if op == "download" and kind not in ("file", "manifest"):
+        raise StreamError("download kind must be 'file' or 'manifest', got %r" % (kind,))
+    meta = msg.get("meta")
+    if meta is not None and not (isinstance(meta, list) and len(meta) == 2 and kind == "file" and op == "upload"
+                                 and all(isinstance(v, int) and not isinstance(v, bool) for v in meta)):
+        raise StreamError("meta must be [mode, mtime] (whole numbers) of an uploaded file, got %r" % (meta,))
     streams = streams_of(agent)
     if len(streams) >= MAX_STREAMS:
         raise StreamError("%d transfers are open in this sandbox already; finish one first" % MAX_STREAMS)

@@ -62,14 +62,16 @@ def escapes(parts, target):
 
 
 # -- out: a directory descriptor -> a tar stream -----------------------------------------
-def pack(root_fd, out, owner=None, on_file=None):
+def pack(root_fd, out, owner=None, on_file=None, skip=None):
     """Write the tree below ``root_fd`` (a directory descriptor, not closed) as a tar
     stream to ``out`` (an object with ``write(bytes)``). ``owner``: only files owned by
     this uid are read (others left out and counted: a hard link to a file the caller may
     not read is no way in). A file with several names in the tree is packed once, under
     the first name met (sorted, depth first); its other names go as hard links to that one
     (not counted in ``files``), so they arrive as one file with several names, never as
-    copies. ``on_file(nbytes)`` after each file. Returns ``(files, bytes, skipped)``.
+    copies. ``on_file(nbytes)`` after each file. ``skip``: relative names of regular files
+    left out and not counted (a resumed transfer's files the other end has already).
+    Returns ``(files, bytes, skipped)``.
 
     Raises:
         OSError: a file could not be read; TarRefused: a file changed size meanwhile.
@@ -128,6 +130,8 @@ def pack(root_fd, out, owner=None, on_file=None):
                 info.type = tarfile.LNKTYPE  # another name of a file packed before
                 info.linkname = first_names[(st.st_dev, st.st_ino)]
                 tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode) and skip and path in skip:
+                continue
             elif stat.S_ISREG(st.st_mode):
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
                 with os.fdopen(fd, "rb") as fh:
@@ -252,7 +256,10 @@ def unpack(src, root_fd, owner=None, on_file=None):
                     _own(parent, name, owner)
                     dirs.append((parts, (st.st_dev, st.st_ino), mode, member.mtime))
                 elif member.isreg():
-                    fd = tree.make_file(parent, name, _pieces(tar.extractfile(member)))
+                    try:
+                        fd = tree.make_file(parent, name, _pieces(tar.extractfile(member)))
+                    except tarfile.ReadError as exc:  # cut short: what came is kept (a resume continues it)
+                        raise TarRefused("member %r: %s" % (member.name, exc)) from None
                     try:
                         if owner is not None:
                             os.fchown(fd, owner[0], owner[1])

@@ -231,8 +231,17 @@ class Tunnel(asyncio.Protocol):
         while self.reads and (self.buf or self.eof):
             if self.buf and _backlog(self.agent) >= BULK_BACKLOG:
                 # As a download does: a neighbour's result never waits behind more than
-                # BULK_BACKLOG of tunnel bytes on the shared stream.
-                self.retry = self.agent.loop.call_later(BULK_RETRY_S, self._answer_reads)
+                # BULK_BACKLOG of tunnel bytes on the shared stream. When what waits is
+                # mostly this loop pass's frames and their flush is due at once, look again
+                # right after it (the flush was queued first); else in BULK_RETRY_S. Always
+                # waiting BULK_RETRY_S capped a preview's download at ~185 MB/s (64 MiB
+                # through ``python3 -m http.server``, median of 6 on the loaded 2-core
+                # machine; ~238 MB/s looking again at once).
+                agent = self.agent
+                if agent.flush_soon and agent.out.get_write_buffer_size() < BULK_BACKLOG:
+                    self.retry = agent.loop.call_soon(self._answer_reads)
+                else:
+                    self.retry = agent.loop.call_later(BULK_RETRY_S, self._answer_reads)
                 return
             mid, timer = self.reads.popleft()
             timer.cancel()
