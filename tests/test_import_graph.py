@@ -35,7 +35,7 @@ LAYERS = [
         "config", "profiles", "volumes", "gpus", "secrets", "slots", "usage", "tools", "portal", "loops",
         "tracing", "_version", "modal_network", "network_config")]),
     ("agent", [P + "agent"]),
-    ("protocol/errors", [P + m for m in ("protocol", "deadlines", "errors")]),
+    ("protocol/errors", [P + m for m in ("protocol", "toolargs", "deadlines", "errors")]),
 ]
 #: The agent's rooms, top to bottom (agent/__init__.py); a room not listed (a new
 #: subpackage) sits just below the top: main and the router may use it, no room below.

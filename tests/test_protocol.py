@@ -136,11 +136,11 @@ arg_names = st.sampled_from(sorted({k for spec in TOOL_ARGS.values() for k in sp
 @settings(max_examples=2000, deadline=None)
 @given(tool=st.sampled_from([*TOOL_ARGS, "nope"]), args=st.dictionaries(arg_names, arg_values, max_size=4))
 def test_check_args_fast_pass_says_what_the_full_check_says(tool, args):
-    """check_args' one pass over the given arguments (protocol._all_fine) against the
+    """check_args' one pass over the given arguments (toolargs._all_fine) against the
     full check in TOOL_ARGS order: the same answer for every tool and argument."""
-    from hermes_modal_tool import protocol
+    from hermes_modal_tool import toolargs
 
-    assert check_args(tool, args) == protocol._first_problem(tool, TOOL_ARGS.get(tool), args)
+    assert check_args(tool, args) == toolargs._first_problem(tool, TOOL_ARGS.get(tool), args)
 
 
 def test_a_binary_frame_carries_raw_bytes_beside_plain_frames():
