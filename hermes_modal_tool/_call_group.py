@@ -69,6 +69,23 @@ class CallGroup:
         return [mid for mid, pos in reversed(self.mids.items()) if self.outcomes[pos] is None]
 
 
+def by_sandbox(valid: list[tuple]) -> dict[Any, list[tuple]]:
+    """A batch's valid requests (``(index, slot, tool, args, pool)``) by the sandbox of
+    their slot's lease (None for a slot whose lease is gone: its call fails when
+    submitted), in first-use order, each sandbox's in input order (so that a slot's calls
+    keep theirs)."""
+    out: dict[Any, list[tuple]] = {}
+    for item in valid:
+        rec = item[1]._sandbox
+        key = getattr(rec, "sandbox", None)
+        bucket = out.get(key)
+        if bucket is None:
+            out[key] = [item]
+        else:
+            bucket.append(item)
+    return out
+
+
 async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], touched: dict[Any, None],
                           spans: dict[int, tuple[Any, float]],
                           finish: Callable[[tuple, Any], None]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from . import streaming, tracing
 from ._artifact_api import ArtifactMethods
 from ._call_api import CallMethods
-from ._call_group import CallGroup, gather_outcomes
+from ._call_group import CallGroup, by_sandbox, gather_outcomes
 from ._pool_calls import unsendable
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
@@ -447,7 +447,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         if on_output is None:
             # One CallGroup per sandbox (_call_group.py), each sent as soon as its calls are
             # queued: an agent starts on its calls while the host queues the next sandbox's.
-            for sandbox, items in _by_sandbox(valid).items():
+            for sandbox, items in by_sandbox(valid).items():
                 for i, slot, tool, args, pool in items:
                     sent(i, slot, tool, pool, pool.submit_grouped(slot, tool, dict(args), timeout_s, groups))
                 group = groups.get(sandbox)
@@ -487,22 +487,6 @@ class ModalToolBackend(ToolBackend):
     @staticmethod
     def _default_config() -> SandboxConfig:
         return ModalSandboxConfig()
-
-
-def _by_sandbox(valid: list[tuple[int, Slot, str, Any, SandboxPool]]) -> dict[Any, list[tuple]]:
-    """A batch's valid requests by the sandbox of their slot's lease (None for a slot
-    whose lease is gone: its call fails when submitted), in first-use order, each
-    sandbox's in input order (so a slot's calls keep theirs)."""
-    out: dict[Any, list[tuple]] = {}
-    for item in valid:
-        rec = item[1]._sandbox
-        key = getattr(rec, "sandbox", None)
-        bucket = out.get(key)
-        if bucket is None:
-            out[key] = [item]
-        else:
-            bucket.append(item)
-    return out
 
 
 def _bad_request(error: str, slot_id: str | None = None) -> ExecutionResult:
