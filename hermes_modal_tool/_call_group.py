@@ -30,7 +30,7 @@ class CallGroup:
     ``{"ok": ..., "result": ...}``, or an exception) in the order they were added, and one
     future, done once every call has its outcome."""
 
-    __slots__ = ("mids", "outcomes", "left", "future", "wait_s", "timer", "queued")
+    __slots__ = ("mids", "outcomes", "left", "future", "wait_s", "timer", "queued", "on_complete")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.mids: dict[int, int] = {}  # request id -> position in outcomes
@@ -40,6 +40,9 @@ class CallGroup:
         self.wait_s = 0.0
         self.timer: list | None = None  # the deadline's entry in the sandbox's Deadlines
         self.queued: set[int] = set()  # ids the agent reported queued and not started yet
+        # Called with the group, where its last outcome arrives (the sandbox's reader), in
+        # place of setting the future: see gather_outcomes.
+        self.on_complete: Callable[[CallGroup], None] | None = None
 
     def add(self, mid: int, wait_s: float) -> None:
         self.mids[mid] = len(self.outcomes)
@@ -57,7 +60,9 @@ class CallGroup:
         self.left -= 1
         if self.left:
             return False
-        if not self.future.done():
+        if self.on_complete is not None:
+            self.on_complete(self)
+        elif not self.future.done():
             self.future.set_result(None)
         return True
 
@@ -91,11 +96,12 @@ async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], to
                           finish: Callable[[tuple, Any], None]) -> None:
     """``execute_batch``'s wait: ``finish(entry, outcome)`` for each waiting call with its
     outcome (the agent's reply, or an exception): a sandbox's calls as soon as its
-    :class:`CallGroup` is complete (while other sandboxes' calls still run, so that the
-    results are made meanwhile, not all after the last), a call with a listener from its
-    own future. Futures one after another, not gather(): a batch's results come in one
-    frame, so the task wakes once and finds the rest done (gather schedules a callback
-    per future: a loop pass each).
+    :class:`CallGroup` is complete, where its last result arrives (while other sandboxes'
+    calls still run, so that the results are made meanwhile, not all after the last, and
+    the task wakes once for the batch, not once per sandbox); a call with a listener from
+    its own future, one after another, not gather(): a batch's results come in one frame,
+    so the task wakes once and finds the rest done (gather schedules a callback per
+    future: a loop pass each).
 
     ``waiting``: ``(index, pool, tool, slot, sandbox, id, group or future, execution id,
     record)`` per call sent; ``touched``: the sandboxes written to; ``spans``: request
@@ -105,23 +111,44 @@ async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], to
     answered, last ones first and in one write per sandbox, so that a call queued behind
     a cancelled one in its slot is dropped before that one ends, never started; ends the
     calls' spans; re-raises."""
-    members: dict[asyncio.Future, list[tuple]] = {}
+    members: dict[CallGroup, list[tuple]] = {}
     alone = []
     for w in waiting:
         waiter = w[6]
         if isinstance(waiter, CallGroup):
-            members.setdefault(waiter.future, []).append(w)
+            members.setdefault(waiter, []).append(w)
         else:
             alone.append(w)
     finished: set[int] = set()
+    all_done = asyncio.get_running_loop().create_future()
+    left = [len(members)]
+
+    def complete(group: CallGroup) -> None:
+        # Where the group's last outcome arrives (Sandbox._on_data): its results are made
+        # there, and the task wakes once, when the last group is complete.
+        group.on_complete = None
+        if all_done.done():
+            return
+        try:
+            for w in members[group]:
+                finished.add(w[0])
+                finish(w, group.outcome(w[5]))
+        except BaseException as exc:  # noqa: BLE001 - raised in the task, not in the reader
+            all_done.set_exception(exc)
+            return
+        left[0] -= 1
+        if not left[0]:
+            all_done.set_result(None)
+
     try:
-        pending = set(members)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                for w in members[fut]:
-                    finished.add(w[0])
-                    finish(w, w[6].outcome(w[5]))
+        if not members:
+            all_done.set_result(None)
+        for group in members:
+            if group.left:
+                group.on_complete = complete
+            else:
+                complete(group)
+        await all_done
         for w in alone:
             try:
                 outcome = await w[6]
@@ -132,6 +159,8 @@ async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], to
             finished.add(w[0])
             finish(w, outcome)
     except asyncio.CancelledError:
+        for group in members:
+            group.on_complete = None
         for sb, group in groups.items():
             sb.abandon(group)
         for i, pool, _, slot, sb, mid, waiter, _, rec in reversed(waiting):
