@@ -48,3 +48,39 @@ def test_bad_transfer_steps_are_refused_before_anything_starts(tmp_path: Path) -
             {"tool": "upload", "args": args}]}])
         result = run("batch", str(batch), "--no-progress")
         assert result.exit_code == 2 and words in result.output and "line 1" in result.output, result.output
+
+
+def test_a_transfer_step_resumes_what_an_earlier_one_left(tmp_path: Path, monkeypatch) -> None:
+    """``"resume": true``: a file the slot holds whole is kept, one it holds the start of
+    goes on from there; without it (the control) everything is sent again."""
+    monkeypatch.chdir(tmp_path)
+    big = os.urandom(700_000)
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "big.bin").write_bytes(big)
+    (tmp_path / "tree" / "small.txt").write_text("small\n")
+    cut = "head -c 100000 tree/big.bin > cut && cat cut > tree/big.bin && rm cut"  # same inode, same mode
+    batch = write_jsonl(tmp_path / "batch.jsonl", [{"id": "t", "calls": [
+        {"tool": "upload", "args": {"local": "tree", "remote": "tree"}},
+        bash(cut, returncode=0),
+        {"tool": "upload", "args": {"local": "tree", "remote": "tree", "resume": True}},
+        bash(cut, returncode=0),
+        {"tool": "upload", "args": {"local": "tree", "remote": "tree"}},
+        {"tool": "download", "args": {"remote": "tree", "local": "back"}},
+    ]}])
+    result = run("batch", str(batch), "-o", "results.jsonl", "--no-progress")
+    assert result.exit_code == 0, result.output
+    (record,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert record["ok"], record
+    resumed, again = record["steps"][2], record["steps"][4]
+    # small.txt kept; big.bin sent from byte 100,000 on: one file's rest
+    assert resumed["success"] and f"(1 file, {len(big) - 100_000} bytes, 1 kept)" in resumed["output"], resumed
+    assert again["success"] and f"(2 files, {len(big) + 6} bytes)" in again["output"], again
+    assert (tmp_path / "back" / "big.bin").read_bytes() == big  # the host's verdict
+    assert (tmp_path / "back" / "small.txt").read_text() == "small\n"
+
+
+def test_a_transfer_steps_resume_must_be_true_or_false(tmp_path: Path) -> None:
+    batch = write_jsonl(tmp_path / "bad.jsonl", [{"id": "t", "calls": [
+        {"tool": "upload", "args": {"local": "a", "remote": "b", "resume": "yes"}}]}])
+    result = run("batch", str(batch), "--no-progress")
+    assert result.exit_code == 2 and "'resume' must be true or false" in result.output, result.output

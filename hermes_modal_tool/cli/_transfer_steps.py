@@ -4,6 +4,9 @@
 A step is ``{"tool": "upload", "args": {"local": PATH, "remote": PATH}}`` (or
 ``"download"``): a file or a directory, through ``backend.upload``/``backend.download``
 (chunked over the sandbox's stream, checksummed, written with the slot's credentials).
+``"resume": true`` resumes what an earlier step or run left: files the receiving side
+holds whole are kept, a partial file goes on from where it stopped (``resume=True`` of
+``backend.upload``/``download``).
 ``local`` is relative to the current directory (as ``cp``'s are); ``remote`` to the slot's
 workspace unless absolute. Why not ``hermes-modal-tool cp SLOT:PATH``: a slot lives only
 as long as the process that acquired it (the CLI holds no session another process could
@@ -29,14 +32,16 @@ TRANSFER_TOOLS = ("upload", "download")
 
 def check_transfer_args(tool: str, args: dict[str, Any]) -> str | None:
     """What is wrong with a transfer step's ``args`` (None: nothing)."""
-    unknown = set(args) - {"local", "remote"}
+    unknown = set(args) - {"local", "remote", "resume"}
     if unknown:
         return (f"{tool}: unknown argument(s) {', '.join(map(repr, sorted(unknown)))}; "
-                "give 'local' and 'remote'")
+                "give 'local' and 'remote' (and 'resume': true or false)")
     for key in ("local", "remote"):
         value = args.get(key)
         if not isinstance(value, str) or not value or "\x00" in value:
             return f"{tool}: '{key}' must be a non-empty path, got {value!r:.80}"
+    if not isinstance(args.get("resume", False), bool):
+        return f"{tool}: 'resume' must be true or false, got {args['resume']!r:.80}"
     return None
 
 
@@ -56,13 +61,13 @@ async def run_call(backend: ToolBackend, slot: Slot, tool: str, args: dict[str, 
         [r] = await backend.execute_batch([(slot, tool, args)], timeout_s=timeout, on_output=on_output)
         return r
     started = time.monotonic()
-    local, remote = args["local"], args["remote"]
+    local, remote, resume = args["local"], args["remote"], bool(args.get("resume"))
     existed = await asyncio.to_thread(os.path.lexists, local)
     try:
         if tool == "upload":
-            moved = await backend.upload(slot, local, remote)
+            moved = await backend.upload(slot, local, remote, resume=resume)
         else:
-            moved = await backend.download(slot, remote, local)
+            moved = await backend.download(slot, remote, local, resume=resume)
     except (HermesModalToolError, OSError) as exc:
         if tool == "download" and not existed:  # nothing came: leave no empty file behind
             await asyncio.to_thread(_drop_if_empty, local)
@@ -70,10 +75,13 @@ async def run_call(backend: ToolBackend, slot: Slot, tool: str, args: dict[str, 
                                        f"{remote!r}: {exc}", slot.slot_id,
                                        duration_s=round(time.monotonic() - started, 6))
     what = f"{moved.files} file{'s' if moved.files != 1 else ''}, {moved.bytes} bytes"
+    if resume:
+        what += f", {moved.kept} kept"
     text = (f"uploaded {local} to {remote} ({what})" if tool == "upload"
             else f"downloaded {remote} to {local} ({what})")
     if moved.sha256:
         text += f", sha256 {moved.sha256}"
     return ExecutionResult(success=True, output=text + "\n", slot_id=slot.slot_id, metadata={
         "returncode": 0, "duration_s": round(time.monotonic() - started, 6), "timed_out": False,
-        "truncated": False, "bytes": moved.bytes, "files": moved.files, "sha256": moved.sha256})
+        "truncated": False, "bytes": moved.bytes, "files": moved.files, "sha256": moved.sha256,
+        "kept": moved.kept})
