@@ -4,7 +4,8 @@ What bounds the calls/s of many sandboxes is the host's one event loop: every ca
 bookkeeping runs there, whatever the number of cores (``benchmarks/_scaling.py``). So a
 batch's calls to one sandbox (without a listener) share what can be shared: they go in
 one ``calls`` frame and come back in ``results`` frames (``protocol.py``), and here they
-share one future and one deadline (:class:`CallGroup`) instead of one each.
+share one completion and one deadline (:class:`CallGroup`) instead of a future and a
+deadline each.
 
 The deadline keeps the per-call rule of ``sandbox.py``: a group waits at most the
 longest wait of its calls (each call's timeout plus ``HOST_GRACE_S``) from when it was
@@ -27,21 +28,20 @@ from . import tracing
 
 class CallGroup:
     """A batch's compact calls to one sandbox: their ids, their outcomes (the agent's reply
-    ``{"ok": ..., "result": ...}``, or an exception) in the order they were added, and one
-    future, done once every call has its outcome."""
+    ``{"ok": ..., "result": ...}``, or an exception) in the order they were added, and
+    ``on_complete``, called once every call has its outcome (a group complete before it is
+    set is one whose ``left`` is 0: see gather_outcomes)."""
 
-    __slots__ = ("mids", "outcomes", "left", "future", "wait_s", "timer", "queued", "on_complete")
+    __slots__ = ("mids", "outcomes", "left", "wait_s", "timer", "queued", "on_complete")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self) -> None:
         self.mids: dict[int, int] = {}  # request id -> position in outcomes
         self.outcomes: list[Any] = []
         self.left = 0
-        self.future: asyncio.Future = loop.create_future()
         self.wait_s = 0.0
         self.timer: list | None = None  # the deadline's entry in the sandbox's Deadlines
         self.queued: set[int] = set()  # ids the agent reported queued and not started yet
-        # Called with the group, where its last outcome arrives (the sandbox's reader), in
-        # place of setting the future: see gather_outcomes.
+        # Called with the group where its last outcome arrives (the sandbox's reader).
         self.on_complete: Callable[[CallGroup], None] | None = None
 
     def add(self, mid: int, wait_s: float) -> None:
@@ -62,8 +62,6 @@ class CallGroup:
             return False
         if self.on_complete is not None:
             self.on_complete(self)
-        elif not self.future.done():
-            self.future.set_result(None)
         return True
 
     def outcome(self, mid: int) -> Any:

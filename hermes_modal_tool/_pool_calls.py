@@ -6,7 +6,6 @@ counted, and its reply made an :class:`ExecutionResult`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -79,7 +78,7 @@ class PoolCalls:
         sb = rec.sandbox
         group = groups.get(sb)
         if group is None:
-            group = groups[sb] = CallGroup(asyncio.get_running_loop())
+            group = groups[sb] = CallGroup()
         mid = sb.submit_grouped(group, message, wait)
         self._count(rec, slot, tool)
         return sb, mid, group, rec

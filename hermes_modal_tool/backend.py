@@ -451,8 +451,8 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                 for i, slot, tool, args, pool in items:
                     sent(i, slot, tool, pool, pool.submit_grouped(slot, tool, dict(args), timeout_s, groups))
                 group = groups.get(sandbox)
-                if group is not None:
-                    items[0][4].count_rate(len(items))
+                if group is not None:  # the calls it holds (not those refused before sending)
+                    pool.count_rate(len(group.mids))
                     sandbox.arm(group)
                     sandbox.flush()
         else:

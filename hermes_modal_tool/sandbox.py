@@ -311,7 +311,7 @@ class Sandbox:
         """``calls`` frames for compact calls: ``[id, slot, tool, args, timeout]`` each, one
         frame for all of them unless JSON cannot carry one call's message or the frame
         would pass the size limit; then halves, down to the call that cannot go, whose
-        future fails with that ProtocolError (the others go)."""
+        outcome in its group is that ProtocolError (the others go)."""
         try:
             return [protocol.encode({"id": 0, "op": "calls", "calls": [
                 [mid, m["slot"], m["tool"], m["args"], m["timeout"]] for mid, m in calls]})]

@@ -30,8 +30,9 @@ class InProtocol(asyncio.Protocol):
         if any(msg.get("op") == "calls" for msg in messages):
             messages = list(_expand(messages))
         calls = [msg for msg in messages if msg.get("op") == "call"]
-        if len(calls) > 1 or any(msg.get(COMPACT_KEY) for msg in calls):
-            batch = Batch(len(calls), compact=any(msg.get(COMPACT_KEY) for msg in calls))
+        compact = any(msg.get(COMPACT_KEY) for msg in calls)
+        if len(calls) > 1 or compact:
+            batch = Batch(len(calls), compact=compact)
             for msg in calls:
                 msg[BATCH_KEY] = batch
         for msg in messages:
