@@ -58,3 +58,37 @@ def test_a_link_the_destination_already_has_is_never_written_through(tmp_path):
     with pytest.raises(tarstream.TarRefused, match="symbolic link"):
         unpack_into(dst, buf.getvalue())
     assert os.listdir(outside) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another uid (root)")
+def test_pack_and_the_manifest_walk_one_tree_leaving_out_what_the_owner_does_not_own(tmp_path):
+    """``pack(owner=)`` and ``treesums.files_below`` walk the same tree in the same order
+    (``tarstream.entries_below``): another uid's file and directory are left out (counted
+    by ``pack``, the directory not entered), a link is kept whoever owns it, and the
+    owner's files are packed (the control) and listed alike."""
+    import tarfile
+
+    from hermes_modal_tool.agent.files import treesums
+
+    src = tmp_path / "src"
+    (src / "a" / "deep").mkdir(parents=True)
+    (src / "a" / "deep" / "mine.txt").write_text("mine\n")
+    (src / "b.txt").write_text("b\n")
+    (src / "theirs.txt").write_text("theirs\n")
+    (src / "theirdir").mkdir()
+    (src / "theirdir" / "inside.txt").write_text("inside\n")
+    os.symlink("b.txt", src / "link")
+    for p in (src / "theirs.txt", src / "theirdir"):
+        os.chown(p, 4321, 4321)
+    os.lchown(src / "link", 4321, 4321)
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = io.BytesIO()
+        files, nbytes, skipped = tarstream.pack(fd, out, owner=0)
+        listed = [rel for rel, *_ in treesums.files_below(fd, owner=0)]
+    finally:
+        os.close(fd)
+    names = tarfile.open(fileobj=io.BytesIO(out.getvalue())).getnames()
+    assert names == ["a", "a/deep", "a/deep/mine.txt", "b.txt", "link"], names
+    assert (files, nbytes, skipped) == (2, 7, 2)
+    assert listed == ["a/deep/mine.txt", "b.txt"]

@@ -84,39 +84,18 @@ def pack(root_fd, out, owner=None, on_file=None, skip=None):
     # A file with more than one name: the first name packed, by (device, inode); a later
     # name of it goes as a hard link to that one (at most one entry per such file).
     first_names = {}
-    # Depth first, one open directory per level (a wide directory holds no descriptors).
-    stack = [("", os.dup(root_fd), None)]
+    walk = entries_below(root_fd, owner)
     try:
-        while stack:
-            rel, dfd, names = stack[-1]
-            if names is None:
-                names = iter(sorted(os.listdir(dfd)))
-                stack[-1] = (rel, dfd, names)
-            name = next(names, None)
-            if name is None:
-                stack.pop()
-                os.close(dfd)
-                continue
-            path = rel + name
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            if owner is not None and st.st_uid != owner and not stat.S_ISLNK(st.st_mode):
+        for path, dfd, name, st, left_out in walk:
+            if left_out:
                 skipped += 1
                 continue
             info = tarfile.TarInfo(path)
             info.mtime = int(st.st_mtime)
             info.mode = stat.S_IMODE(st.st_mode) & 0o1777
-            if stat.S_ISDIR(st.st_mode):
-                try:
-                    sub = os.open(name, _DIR, dir_fd=dfd)
-                except OSError:
-                    skipped += 1
-                    continue
+            if stat.S_ISDIR(st.st_mode):  # entered next by the walk
                 info.type = tarfile.DIRTYPE
                 tar.addfile(info)
-                stack.append((path + "/", sub, None))
             elif stat.S_ISLNK(st.st_mode):
                 target = os.readlink(name, dir_fd=dfd)
                 if escapes(path.split("/"), target):
@@ -156,9 +135,50 @@ def pack(root_fd, out, owner=None, on_file=None, skip=None):
                 skipped += 1  # a device node, FIFO or socket
         tar.close()
     finally:
+        walk.close()
+    return files, total, skipped
+
+
+def entries_below(root_fd, owner=None):
+    """Yield ``(relative name, dir_fd, name, stat, left_out)`` of each entry below directory
+    descriptor ``root_fd`` (not closed): sorted, depth first, one open directory per level
+    (a wide directory holds no descriptors), ``O_NOFOLLOW`` at every step, a directory
+    entered right after it is yielded; ``dir_fd`` is valid until the next item. An entry
+    removed meanwhile is passed over. ``left_out`` is None for an entry to use, else why it
+    is not entered: ``"not owned"`` (``owner`` given and the entry, not a symbolic link,
+    is another uid's) or ``"not opened"`` (a directory that could not be opened).
+    Used by :func:`pack` and ``treesums.files_below`` (the same tree, the same order)."""
+    stack = [("", os.dup(root_fd), None)]
+    try:
+        while stack:
+            rel, dfd, names = stack[-1]
+            if names is None:
+                names = iter(sorted(os.listdir(dfd)))
+                stack[-1] = (rel, dfd, names)
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                os.close(dfd)
+                continue
+            path = rel + name
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            if owner is not None and st.st_uid != owner and not stat.S_ISLNK(st.st_mode):
+                yield path, dfd, name, st, "not owned"
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    sub = os.open(name, _DIR, dir_fd=dfd)
+                except OSError:
+                    yield path, dfd, name, st, "not opened"
+                    continue
+                stack.append((path + "/", sub, None))  # closed with the walk if it stops here
+            yield path, dfd, name, st, None
+    finally:
         for _, dfd, _ in stack:
             os.close(dfd)
-    return files, total, skipped
 
 
 # -- in: a tar stream -> beneath a directory descriptor --------------------------------

@@ -21,44 +21,24 @@ import json
 import os
 import stat
 
+from . import tarstream
+
 PIECE = 1024 * 1024
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def files_below(root_fd, owner=None):
     """Yield ``(relative name, dir_fd, name, stat)`` of each regular file below directory
-    descriptor ``root_fd`` (not closed); ``owner``: only files (and directories) of this
-    uid. ``dir_fd`` is valid until the next item."""
-    stack = [("", os.dup(root_fd), None)]
+    descriptor ``root_fd`` (not closed), in :func:`tarstream.entries_below`'s walk (the
+    order :func:`tarstream.pack` packs in); ``owner``: only files (and directories) of
+    this uid. ``dir_fd`` is valid until the next item."""
+    walk = tarstream.entries_below(root_fd, owner)
     try:
-        while stack:
-            rel, dfd, names = stack[-1]
-            if names is None:
-                names = iter(sorted(os.listdir(dfd)))
-                stack[-1] = (rel, dfd, names)
-            name = next(names, None)
-            if name is None:
-                stack.pop()
-                os.close(dfd)
-                continue
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            if owner is not None and st.st_uid != owner:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                try:
-                    sub = os.open(name, _DIR, dir_fd=dfd)
-                except OSError:
-                    continue
-                stack.append((rel + name + "/", sub, None))
-            elif stat.S_ISREG(st.st_mode):
-                yield rel + name, dfd, name, st
+        for rel, dfd, name, st, left_out in walk:
+            if left_out is None and stat.S_ISREG(st.st_mode):
+                yield rel, dfd, name, st
     finally:
-        for _, dfd, _ in stack:
-            os.close(dfd)
+        walk.close()
 
 
 def file_sums(dir_fd, name, st, prefix=None):
