@@ -457,7 +457,11 @@ async def _amain(in_fd, out_fd, spawner_handle):
     agent.spawner = spawner_handle
     if spawner_handle is not None:
         mounts.use_userns_maker(spawner_handle.userns)
-    await loop.connect_read_pipe(lambda: InProtocol(agent), os.fdopen(in_fd, "rb", 0))
+    in_transport, _ = await loop.connect_read_pipe(lambda: InProtocol(agent), os.fdopen(in_fd, "rb", 0))
+    # Read what the pipe holds in one go (asyncio reads 256 KiB at most): a transfer's
+    # chunk of 512 KiB then comes in one read and is decoded straight from it, not
+    # assembled from two reads in a buffer of its own (one copy of it fewer).
+    in_transport.max_size = file_streams.PIPE_BYTES
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, lambda: agent.own(agent.shutdown()))
     await agent.done

@@ -18,6 +18,8 @@ from .streambase import CHUNK_BYTES, Stream, StreamError, text_of
 #: both loops were half idle). A write that fails is answered to a later chunk, or to the
 #: end: the host's upload fails all the same, only a little later.
 AHEAD_BYTES = 2 * 1024 * 1024
+#: Bytes of queued chunks the stream's thread takes at once and writes in one ``writev``.
+WRITE_BATCH = 2 * 1024 * 1024
 
 
 class Upload(Stream):
@@ -29,9 +31,15 @@ class Upload(Stream):
         super().__init__(*args)
         self.items = queue.Queue()  # ("data", mid, blob) / ("end", mid) / ("abort", mid)
         self.error = None
-        self.taken = None  # the request whose chunk is being written (unanswered)
+        self.taken = None  # the request(s) whose chunk is being written (unanswered)
+        self.closing = None  # the end or abort request taken with the last chunks
         self.end_id = None  # the end request, once taken
-        self.ahead = 0  # bytes of chunks answered on arrival, not yet written (on the loop)
+        # Bytes of chunks answered on arrival (counted on the loop) and of those written
+        # (counted by the thread): their difference waits. Two counters, each with one
+        # writer, so the thread tells the loop nothing per chunk (before: a wakeup of the
+        # loop per chunk, through its self-pipe).
+        self.ahead_in = 0
+        self.ahead_out = 0
 
     def request(self, msg):
         mid = msg.get("id")
@@ -43,15 +51,12 @@ class Upload(Stream):
             blob = msg.get("blob")
             if not isinstance(blob, (bytes, bytearray)):
                 raise StreamError("an upload chunk must come in a binary frame")
-            if self.kind == "file" and self.error is None and self.ahead + len(blob) <= AHEAD_BYTES:
-                self.ahead += len(blob)
+            if (self.kind == "file" and self.error is None
+                    and self.ahead_in - self.ahead_out + len(blob) <= AHEAD_BYTES):
+                self.ahead_in += len(blob)
                 self.agent.send({"id": mid, "ok": True, "result": {"queued": True}})
-                mid = None  # answered: the thread only tells the loop when it is written
+                mid = None  # answered: the thread counts it in ahead_out once written
             self.items.put(("data", mid, blob))
-
-    def _wrote(self, nbytes):
-        """A chunk answered on arrival is written (on the loop)."""
-        self.ahead -= nbytes
 
     def abort(self, mid=None):
         self.aborted = True
@@ -62,12 +67,13 @@ class Upload(Stream):
         if self.open_id is not None:  # refused before it started
             self.reply(self.open_id, error=self.error)
             return
-        if self.taken is not None:
-            self.reply(self.taken, error=self.error)
-            self.taken = None
-        if self.end_id is not None:
-            self.reply(self.end_id, error=self.error)
-            return
+        taken, self.taken = self.taken, None
+        for mid in taken if isinstance(taken, list) else [] if taken is None else [taken]:
+            self.reply(mid, error=self.error)
+        for mid in (self.end_id, self.closing):
+            if mid is not None:  # the end (or the abort) was taken already
+                self.reply(mid, error=self.error)
+                return
         while True:  # answer what is still to come with the error, until the end
             kind, mid, _ = self.items.get()
             if mid is not None:
@@ -96,35 +102,62 @@ class Upload(Stream):
         fd, shown = self._open_file()
         try:
             self._started()
-            written = 0
-            while True:
-                kind, mid, blob = self.items.get()
-                if kind == "abort":
-                    if mid is not None:
-                        self.reply(mid)
-                    return
-                if kind == "end":
-                    self.end_id = mid
-                    break
-                self.taken = mid
-                view = memoryview(blob)
-                while view:
-                    view = view[os.write(fd, view):]
-                self.digest.update(blob)
-                written += len(blob)
-                self.taken = None
-                if mid is None:
-                    self.agent.loop.call_soon_threadsafe(self._wrote, len(blob))
-                else:
-                    self.reply(mid, {"written": written})
+            written = self._write_chunks(fd)
+            if written is None:  # aborted: its request is answered
+                return
             if self.meta is not None:  # a resumed directory's file: the mode and time its tar member had
                 os.fchmod(fd, int(self.meta[0]) & 0o1777)
                 os.utime(fd, (int(self.meta[1]), int(self.meta[1])))
             size = os.fstat(fd).st_size  # what the file holds, not what was counted
         finally:
             os.close(fd)
-        self.reply(mid, {"size": size, "bytes": written, "files": 1, "path": shown,
-                         "sha256": self.digest.hexdigest()})
+        self.reply(self.end_id, {"size": size, "bytes": written, "files": 1, "path": shown,
+                                 "sha256": self.digest.hexdigest()})
+
+    def _write_chunks(self, fd):
+        """Write the chunks that come to ``fd`` until the end (its id kept in
+        ``end_id``) or an abort; return the bytes written (None after an abort). The
+        chunks queued when the thread wakes go in one ``writev``; should it fail, every
+        request it took is answered by :meth:`failed`."""
+        written = 0
+        while True:
+            got = self._take()
+            last_kind, last_mid, _ = got[-1]
+            if last_kind != "data":
+                self.closing = last_mid  # failed() answers it, should the writes fail
+                got.pop()
+            if got:
+                self.taken = [mid for _, mid, _ in got if mid is not None]
+                _write_all(fd, [blob for _, _, blob in got])
+                self.taken = None
+                for _, mid, blob in got:
+                    self.digest.update(blob)
+                    written += len(blob)
+                    if mid is None:
+                        self.ahead_out += len(blob)
+                    else:
+                        self.reply(mid, {"written": written})
+            if last_kind == "abort":
+                if last_mid is not None:
+                    self.reply(last_mid)
+                return None
+            if last_kind == "end":
+                self.end_id = last_mid
+                return written
+
+    def _take(self):
+        """The items queued now, at least one (waiting for it), chunks of at most
+        :data:`WRITE_BATCH` bytes in all (and one more); an ``end`` or ``abort`` comes last."""
+        got = [self.items.get()]
+        size = len(got[0][2] or b"")
+        while got[-1][0] == "data" and size < WRITE_BATCH:
+            try:
+                item = self.items.get_nowait()
+            except queue.Empty:
+                break
+            got.append(item)
+            size += len(item[2] or b"")
+        return got
 
     def _owner(self):
         ws = self.slot.workspace
@@ -165,6 +198,20 @@ class Upload(Stream):
         if self.digest.hexdigest() != self.expect_prefix:
             raise StreamError("cannot resume at offset %d: the slot's file %s has %d bytes that "
                               "differ from the local file's first ones" % (self.offset, shown, size))
+
+
+def _write_all(fd, chunks):
+    """Write ``chunks`` (bytes-like) to ``fd`` in order: one ``writev`` for all of them
+    (one system call and one release of the GIL, not one per chunk), again for what a
+    short write left."""
+    views = [memoryview(c) for c in chunks]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 class _ItemReader:
