@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import queue
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,6 +37,10 @@ DEPTH = 1
 #: in the pipe (``agent/files/streamout.PIPE_BACKLOG``) and reads ahead (``READ_AHEAD``,
 #: 4), so that a request is always there when the agent has a chunk to send (main: 4).
 DOWN_DEPTH = 8
+#: Bytes of a download's chunks that may wait for its writer thread (``_Sink``) before
+#: the loop stops taking more: 8 of the agent's chunks of 256 KiB (with the window, the
+#: 4 MiB a download held before).
+SINK_BYTES = 2 * 1024 * 1024
 #: Chunks of a local file read (and hashed) per worker-thread hand-off on upload (the
 #: host holds at most the window, the rest of this batch and the next: 4.5 MiB).
 READ_BATCH = 4
@@ -148,20 +154,83 @@ async def _cancel(inflight: deque[asyncio.Future]) -> None:
         await asyncio.gather(*inflight, return_exceptions=True)
 
 
+class _Sink:
+    """A download's writer: a thread of its own that hands each chunk to ``sink`` in order,
+    so the loop only queues a chunk (before: a worker-thread hand-off per batch of chunks,
+    a future and a wakeup each: 4% of the host's loop in a download by py-spy). The loop
+    waits only while more than :data:`SINK_BYTES` wait for the thread; the thread wakes
+    it, once, when half of that is written. ``sink``'s exception ends the thread and is
+    raised on the loop at the next :meth:`put` or at :meth:`close`."""
+
+    def __init__(self, sink: Callable[[bytes], Any]) -> None:
+        self.sink = sink
+        self.loop = asyncio.get_running_loop()
+        self.items: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.queued = 0  # bytes put (on the loop)
+        self.written = 0  # bytes handed to sink (by the thread, under the lock)
+        self.error: BaseException | None = None
+        self.wake: asyncio.Future[None] | None = None
+        self.ended: asyncio.Future[None] = self.loop.create_future()
+        self.thread = threading.Thread(target=self._run, name="hermes-modal-tool-download", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                blob = self.items.get()
+                if blob is None:
+                    return
+                if self.error is None:
+                    try:
+                        self.sink(blob)
+                    except BaseException as exc:  # noqa: BLE001 - raised on the loop
+                        self.error = exc
+                with self.lock:
+                    self.written += len(blob)
+                    wake = self.wake
+                    if wake is not None and (self.error is not None
+                                             or self.queued - self.written <= SINK_BYTES // 2):
+                        self.wake = None
+                        self.loop.call_soon_threadsafe(_set_done, wake)
+        finally:
+            self.loop.call_soon_threadsafe(_set_done, self.ended)
+
+    async def put(self, blob: bytes) -> None:
+        """Queue ``blob``; wait while more than :data:`SINK_BYTES` wait. Raises ``sink``'s error."""
+        if self.error is not None:
+            raise self.error
+        self.queued += len(blob)
+        self.items.put(blob)
+        with self.lock:
+            if self.queued - self.written <= SINK_BYTES:
+                return
+            self.wake = wake = self.loop.create_future()
+        await wake
+        if self.error is not None:
+            raise self.error
+
+    async def close(self) -> None:
+        """Let the thread write what waits and end; wait for it. Raises ``sink``'s error."""
+        self.items.put(None)
+        await asyncio.shield(self.ended)
+        if self.error is not None:
+            raise self.error
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: str) -> dict[str, Any]:
     """Ask for the chunks of download stream ``sid`` (at most :data:`DOWN_DEPTH` ahead) and
-    hand them to ``sink`` in worker threads, in order, every chunk that has come in by then
-    in one hand-off (at most :data:`DOWN_DEPTH`), written while the next ones come; return the last
-    result (``eof``). Memory: the window, the chunks waiting, the chunks being written. The
-    stream is closed at the end."""
+    hand them to ``sink``, in order, in a thread of the download's own (:class:`_Sink`),
+    written while the next ones come; return the last result (``eof``). Memory: the
+    window and at most :data:`SINK_BYTES` waiting for the thread. The stream is closed at
+    the end."""
     inflight: deque[asyncio.Future] = deque()
-    waiting: list[bytes] = []
-    writing: asyncio.Future | None = None
-
-    def write_all(blobs: list[bytes]) -> None:
-        for blob in blobs:
-            sink(blob)
-
+    writer = _Sink(sink)
     try:
         while True:
             while len(inflight) < DOWN_DEPTH:
@@ -169,21 +238,13 @@ async def _receive(sb: Sandbox, sid: str, sink: Callable[[bytes], Any], what: st
             got = await inflight.popleft()
             blob = got.pop("blob", b"")
             if blob:
-                waiting.append(blob)
-            eof = bool(got.get("eof"))
-            if writing is not None and (writing.done() or eof or len(waiting) >= DOWN_DEPTH):
-                await writing
-                writing = None
-            if waiting and writing is None:
-                writing = asyncio.ensure_future(asyncio.to_thread(write_all, waiting))
-                waiting = []
-            if eof:
-                if writing is not None:
-                    await writing
-                    writing = None
+                await writer.put(blob)
+            if got.get("eof"):
+                await writer.close()
                 return got
     finally:
         await _cancel(inflight)
-        if writing is not None:  # stopped early: let the write end before the file closes
-            await asyncio.gather(writing, return_exceptions=True)
+        # Stopped early: let the thread finish its write before the file closes (its
+        # error, if any, gives way to the one already on its way).
+        await asyncio.gather(writer.close(), return_exceptions=True)
         await _close(sb, "download", sid)

@@ -8,13 +8,17 @@ chunks of 256 KiB, at most :data:`~._transfer_wire.DOWN_DEPTH` (8) asked ahead, 
 letting at most 256 KiB wait in the pipe (``agent/files/streamout.PIPE_BACKLOG``). That is
 the flow control, and it bounds memory: on the host at most 4.5 MiB per upload (the
 window, the rest of a batch of :data:`~._transfer_wire.READ_BATCH` chunks read ahead and
-the next batch) and 4 MiB per download (chunks come in and chunks being written); in
+the next batch) and 4 MiB per download (the window, and chunks waiting for the download's
+writer thread, :data:`~._transfer_wire.SINK_BYTES`); in
 the agent 2.5 MiB per upload (chunks answered on arrival, ``agent/files/streamin.AHEAD_BYTES``,
 and the window, queued for the stream's thread) and 1 MiB per
 download (``READ_AHEAD`` chunks read ahead) besides what waits in the pipe.
-On each end the file is read or written, and hashed, in a thread (the host's worker
-threads; a thread of the transfer's own in the agent, ``agent/files/streams.py``),
-never on an event loop, so a transfer does not stall the calls of the other slots.
+On each end the file is read or written, and hashed, in a thread (on upload the host's
+worker threads; on download a thread of the download's own, which the loop hands each
+chunk without a wakeup; in the agent a thread of the transfer's own, which writes the
+chunks queued when it wakes in one ``writev`` and counts them without waking the loop,
+``agent/files/streamin.py``), never on an event loop, so a transfer does not stall the
+calls of the other slots.
 The agent opens the slot's file as the file tools do, through the slot's own view with
 the slot's credentials, never through a link the slot made. Both ends hash what passed
 (SHA-256, of the whole file) and compare at the end: no second read of the file.
