@@ -167,6 +167,18 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``, all its threads, those that ended
+    included (``/proc/PID/stat``, clock ticks); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def schedstat_s(pid: int) -> float | None:
     """CPU seconds of ``pid``'s main thread (``/proc/PID/schedstat``, nanoseconds: exact,
     where ``/proc/PID/stat`` rounds down to clock ticks); None once it is gone."""

@@ -2,7 +2,10 @@
 against two peers measured in the same run: ``cp`` of the same file on the same disk, and
 the *stream* itself (the same bytes in the same frames and window between the host and the
 agent, with no file, thread or checksum on either end: ``_transfer_probe.stream_speed``),
-and a neighbour slot's ``echo`` round trip (median, p99) meanwhile.
+and a neighbour slot's ``echo`` round trip (median, p99) meanwhile. For each, the CPU it
+cost per MiB on the host (this process) and in the sandbox (its processes), the cores
+busy, and the speed that CPU cost allows on all of the machine's cores: a transfer does
+the stream's work and, besides, reads, hashes (SHA-256, on both ends) and writes the file.
 
 One sandbox, two slots: the *neighbour* runs ``echo hi`` back to back while the other
 slot's file moves; a baseline of the neighbour alone is measured in the same run. The
@@ -30,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine  # noqa: E402
-from _proc import quantile  # noqa: E402
+from _proc import busy_cpu_s, descendants, process_cpu_s, quantile  # noqa: E402
 
 from hermes_modal_tool import SandboxConfig, ToolBackend  # noqa: E402
 from hermes_modal_tool._transfer_probe import stream_speed  # noqa: E402
@@ -44,6 +47,35 @@ async def echo_loop(backend: ToolBackend, slot: Any, stop: asyncio.Event, out: l
         if r.output != "hi\n":
             raise RuntimeError(f"the neighbour's echo came back wrong: {r.output!r} {r.error!r}")
         await asyncio.sleep(0.002)
+
+
+class CpuSplit:
+    """CPU seconds of this process (the host: its loop and threads) and of its descendants
+    (the sandbox: the agent, its threads and the slots' processes) over a step, and of the
+    rest of the machine; ``per_mib(n)`` gives them in ms per MiB moved and the cores busy."""
+
+    def __enter__(self) -> CpuSplit:
+        self.t0, self.busy0 = time.perf_counter(), busy_cpu_s()
+        self.host0, self.sandbox0 = self._split()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall_s = time.perf_counter() - self.t0
+        host, sandbox = self._split()
+        self.host_s, self.sandbox_s = host - self.host0, sandbox - self.sandbox0
+        self.other_s = max(0.0, busy_cpu_s() - self.busy0 - self.host_s - self.sandbox_s)
+
+    @staticmethod
+    def _split() -> tuple[float, float]:
+        t = os.times()
+        return t.user + t.system, sum(process_cpu_s(pid) for pid in descendants(os.getpid(), live_only=True))
+
+    def per_mib(self, nbytes: int) -> dict[str, float]:
+        mib = nbytes / 2**20
+        return {"host_ms_per_MiB": round(self.host_s * 1000 / mib, 2),
+                "sandbox_ms_per_MiB": round(self.sandbox_s * 1000 / mib, 2),
+                "cores_busy": round((self.host_s + self.sandbox_s) / self.wall_s, 2),
+                "other_cores": round(self.other_s / self.wall_s, 2)}
 
 
 async def with_neighbour(backend: ToolBackend, neighbour: Any, work) -> tuple[float, dict[str, Any]]:
@@ -91,11 +123,17 @@ async def main(mb: int) -> dict[str, Any]:
                 await asyncio.sleep(3)
 
             _, out["neighbour_alone"] = await with_neighbour(backend, neighbour, idle)
-            up_s, out["neighbour_during_upload"] = await with_neighbour(
-                backend, neighbour, lambda: backend.upload(heavy, src, "big.bin"))
-            down_s, out["neighbour_during_download"] = await with_neighbour(
-                backend, neighbour, lambda: backend.download(heavy, "big.bin", back))
-            speed = await stream_speed(backend, heavy, size)
+            with CpuSplit() as cpu:
+                up_s, out["neighbour_during_upload"] = await with_neighbour(
+                    backend, neighbour, lambda: backend.upload(heavy, src, "big.bin"))
+            out["upload_cpu"] = cpu.per_mib(size)
+            with CpuSplit() as cpu:
+                down_s, out["neighbour_during_download"] = await with_neighbour(
+                    backend, neighbour, lambda: backend.download(heavy, "big.bin", back))
+            out["download_cpu"] = cpu.per_mib(size)
+            with CpuSplit() as cpu:
+                speed = await stream_speed(backend, heavy, size)
+            out["stream_cpu"] = cpu.per_mib(2 * size)  # both ways
             out["stream_up_MBps"] = round(speed["up_MBps"], 1)
             out["stream_down_MBps"] = round(speed["down_MBps"], 1)
             out["upload_MBps"] = round(size / 1e6 / up_s, 1)
@@ -120,6 +158,13 @@ if __name__ == "__main__":
           f"cp {result['cp_MBps']} MB/s; round trip equal: {result['round_trip_equal']}")
     print(f"  stream (same frames and window, no file, thread or checksum): up {result['stream_up_MBps']} MB/s, "
           f"down {result['stream_down_MBps']} MB/s")
+    cores = os.cpu_count() or 1
+    for key in ("upload_cpu", "download_cpu", "stream_cpu"):
+        c = result[key]
+        need = c["host_ms_per_MiB"] + c["sandbox_ms_per_MiB"]
+        print(f"  {key}: host {c['host_ms_per_MiB']} + sandbox {c['sandbox_ms_per_MiB']} ms of CPU per MiB, "
+              f"{c['cores_busy']} cores busy (others {c['other_cores']}); "
+              f"all {cores} cores would move {1000 / need * cores * 1.048576 if need else 0:.0f} MB/s")
     for key in ("neighbour_alone", "neighbour_during_upload", "neighbour_during_download"):
         n = result[key]
         print(f"  {key}: {n['echoes']} echoes, p50 {n['p50_ms']} ms, p99 {n['p99_ms']} ms, max {n['max_ms']} ms"
