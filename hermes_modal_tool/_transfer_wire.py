@@ -44,6 +44,11 @@ SINK_BYTES = 2 * 1024 * 1024
 #: Chunks of a local file read (and hashed) per worker-thread hand-off on upload (the
 #: host holds at most the window, the rest of this batch and the next: 4.5 MiB).
 READ_BATCH = 4
+#: Where a file's SHA-256 is computed on each end: in a thread of its own beside the
+#: thread that reads or writes the file (True), in that thread (False), or, None, as each
+#: end's cores allow (a thread of its own from ``agent/files/hashthread.MIN_CORES`` cores:
+#: it raises what a core per stage can move and costs more CPU in all).
+HASH_THREAD: bool | None = None
 #: Seconds the agent has to answer one chunk (or to open, or to finish a stream).
 CHUNK_WAIT_S = 300.0
 
@@ -80,6 +85,12 @@ class Transfer:
     def mb_per_s(self) -> float:
         """Megabytes (10^6 bytes) moved per second."""
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+def hash_thread_field() -> dict[str, bool]:
+    """The ``hash_thread`` field of a file stream's opening request (:data:`HASH_THREAD`;
+    none when it is None: the agent decides)."""
+    return {} if HASH_THREAD is None else {"hash_thread": HASH_THREAD}
 
 
 def _where(backend: BackendView, slot: Slot) -> tuple[Sandbox, int]:

@@ -61,6 +61,7 @@ from ._transfer_wire import (
     _send,
     _where,
 )
+from .agent.files.hashthread import HashThread, Inline, hasher
 from .errors import TransferError, UsageError
 from .slots import Slot
 
@@ -70,17 +71,20 @@ if TYPE_CHECKING:
     from ._backend_view import BackendView
     from .sandbox import Sandbox
 
-async def _file_chunks(fh: IO[bytes], digest: hashlib._Hash, sent: list[int]) -> AsyncIterator[bytes]:
-    """The rest of ``fh`` in chunks of :data:`CHUNK_BYTES`, read and hashed in worker
-    threads :data:`~._transfer_wire.READ_BATCH` chunks per hand-off (one thread hop per
-    batch, not per chunk), the next batch read while this one is sent: at most two
-    batches held besides the window."""
+async def _file_chunks(fh: IO[bytes], digest: HashThread | Inline, sent: list[int]) -> AsyncIterator[bytes]:
+    """The rest of ``fh`` in chunks of :data:`CHUNK_BYTES`, read in worker threads
+    :data:`~._transfer_wire.READ_BATCH` chunks per hand-off (one thread hop per batch, not
+    per chunk) and hashed in ``digest``'s own thread meanwhile, the next batch read while
+    this one is sent: at most two batches held besides the window (and the chunks the hash
+    thread holds, ``agent/files/hashthread.AHEAD``)."""
     def next_batch() -> list[bytes]:
         batch: list[bytes] = []
         for _ in range(wire.READ_BATCH):
             piece = fh.read(CHUNK_BYTES)
             if not piece:
                 break
+            if not isinstance(piece, bytes):  # a caller's object that may reuse its buffer
+                piece = bytes(piece)
             digest.update(piece)
             batch.append(piece)
         return batch
@@ -104,21 +108,26 @@ async def upload_file(backend: BackendView, slot: Slot, fh: IO[bytes], remote: s
     slot; ``meta``: ``[mode, mtime]`` the slot's file gets at the end (a resumed directory's)."""
     started = time.monotonic()
     sb, index = _where(backend, slot)
-    digest = await asyncio.to_thread(_prefix_sha, fh, offset) if offset else hashlib.sha256()
+    prefix = await asyncio.to_thread(_prefix_sha, fh, offset) if offset else hashlib.sha256()
     what = f"{remote}: upload into slot {slot.slot_id}"
     _count(slot, "upload")
     ask = {"op": "upload", "slot": index, "path": remote, "kind": "file", "offset": offset,
-           "sha256": digest.hexdigest() if offset else None}
+           "sha256": prefix.hexdigest() if offset else None, **wire.hash_thread_field()}
     if meta is not None:
         ask["meta"] = meta
     opened = await _ask(sb, ask, what)
     sent = [0]
-    async with contextlib.aclosing(_file_chunks(fh, digest, sent)) as chunks:
-        there = await _send(sb, opened["stream"], chunks, what)
-    if there["size"] != offset + sent[0] or there["sha256"] != digest.hexdigest():
+    digest = hasher(prefix, wire.HASH_THREAD, "hermes-modal-tool-upload-sha256")
+    try:
+        async with contextlib.aclosing(_file_chunks(fh, digest, sent)) as chunks:
+            there = await _send(sb, opened["stream"], chunks, what)
+        sha256 = await asyncio.to_thread(digest.hexdigest)
+    finally:
+        digest.close()
+    if there["size"] != offset + sent[0] or there["sha256"] != sha256:
         raise TransferError(f"{remote}: checksum differs after the upload (slot: {there['size']} bytes, "
-                            f"sha256 {there['sha256']}; host: {offset + sent[0]} bytes, {digest.hexdigest()})")
-    return Transfer(remote, sent[0], offset + sent[0], 1, digest.hexdigest(), time.monotonic() - started)
+                            f"sha256 {there['sha256']}; host: {offset + sent[0]} bytes, {sha256})")
+    return Transfer(remote, sent[0], offset + sent[0], 1, sha256, time.monotonic() - started)
 
 
 async def _open_download(backend: BackendView, slot: Slot, remote: str, offset: int
@@ -126,7 +135,8 @@ async def _open_download(backend: BackendView, slot: Slot, remote: str, offset: 
     sb, index = _where(backend, slot)
     what = f"{remote}: download from slot {slot.slot_id}"
     _count(slot, "download")
-    opened = await _ask(sb, {"op": "download", "slot": index, "path": remote, "offset": offset}, what)
+    opened = await _ask(sb, {"op": "download", "slot": index, "path": remote, "offset": offset,
+                             **wire.hash_thread_field()}, what)
     return sb, opened, what
 
 
@@ -139,24 +149,28 @@ async def download_file(backend: BackendView, slot: Slot, remote: str, fh: IO[by
         await _close(sb, "download", info["stream"])
         raise UsageError(f"{remote} is a directory in slot {slot.slot_id}: download it to a local "
                          "directory path")
-    digest = hashlib.sha256()
+    prefix = hashlib.sha256()
     if offset:
         fh.seek(0)
-        digest = await asyncio.to_thread(_prefix_sha, fh, offset)
+        prefix = await asyncio.to_thread(_prefix_sha, fh, offset)
     got = [0]
+    digest = hasher(prefix, wire.HASH_THREAD, "hermes-modal-tool-download-sha256")
 
-    def write(piece: bytes) -> None:
+    def write(piece: bytes) -> None:  # in the download's writer thread (_transfer_wire._Sink)
+        digest.update(piece)  # hashed in its own thread while written here
         fh.write(piece)
-        digest.update(piece)
         got[0] += len(piece)
 
-    there = await _receive(sb, info["stream"], write, what)
-    await asyncio.to_thread(fh.flush)
-    if there["size"] != offset + got[0] or there["sha256"] != digest.hexdigest():
+    try:
+        there = await _receive(sb, info["stream"], write, what)
+        await asyncio.to_thread(fh.flush)
+        sha256 = await asyncio.to_thread(digest.hexdigest)
+    finally:
+        digest.close()
+    if there["size"] != offset + got[0] or there["sha256"] != sha256:
         raise TransferError(f"{remote}: checksum differs after the download (slot: {there['size']} "
-                            f"bytes, sha256 {there['sha256']}; host: {offset + got[0]} bytes, "
-                            f"{digest.hexdigest()})")
-    return Transfer(remote, got[0], offset + got[0], 1, digest.hexdigest(), time.monotonic() - started)
+                            f"bytes, sha256 {there['sha256']}; host: {offset + got[0]} bytes, {sha256})")
+    return Transfer(remote, got[0], offset + got[0], 1, sha256, time.monotonic() - started)
 
 
 async def upload(backend: BackendView, slot: Slot, local: Any, remote: str, offset: int = 0,

@@ -56,13 +56,16 @@ Requests (host -> agent), every one with ``{"id": int, "op": str}``:
 ``checksum``  ``{"slot": int, "path": str, "prefix"?}``: the file's ``{"sha256", "size", "path"}``
               (and ``prefix_sha256``, of its first ``prefix`` bytes), read through the slot's
               view (``agent/files/filesums.py``; streamed transfer checks, a file's resume).
-``upload``    ``{"slot": int, "path": str, "kind": "file"|"tar", "offset"?, "sha256"?, "meta"?}``: open a
-              stream into the slot (``agent/files/streams.py``), result ``{"stream"}``; then
+``upload``    ``{"slot": int, "path": str, "kind": "file"|"tar", "offset"?, "sha256"?, "meta"?,
+              "hash_thread"?}``: open a
+              stream into the slot (``agent/files/streams.py``; a file's SHA-256 in a thread
+              of its own with ``hash_thread`` true, in the writer's with false, absent: as
+              the agent's cores allow, ``agent/files/hashthread.py``), result ``{"stream"}``; then
               ``{"stream", "blob"}`` per chunk (binary frames, answered once written, or
               on arrival while 2 MiB or less wait to be written) and
               ``{"stream", "end": true}`` (result: ``size``, ``sha256``, ``files``, ``bytes``)
               or ``{"stream", "abort": true}``.
-``download``  ``{"slot": int, "path": str, "offset"?, "kind"?}``: open a stream out of the slot (a
+``download``  ``{"slot": int, "path": str, "offset"?, "kind"?, "hash_thread"?}``: open a stream out of the slot (a
               file, or a directory as a tar; with a binary frame, JSON lines of names left
               out of the tar), or ``kind: "manifest"``: a directory's files with sizes and
               SHA-256 (``agent/files/treesums.py``; a resume), result ``{"stream", "kind"}``; then ``{"stream"}``

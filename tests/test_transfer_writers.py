@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import io
 import os
+import threading
 
 import pytest
 from support import bash
@@ -115,8 +117,6 @@ def test_the_agent_answers_every_request_its_failed_writev_took():
                 done.append(exc)
                 stream.failed(exc)
 
-        import threading
-
         t = threading.Thread(target=run, daemon=True)
         t.start()
         t.join(10)
@@ -127,3 +127,67 @@ def test_the_agent_answers_every_request_its_failed_writev_took():
     answered = {m["id"]: m for m in loop.sent}
     assert set(answered) == {7, 8, 9}, loop.sent
     assert all(not m["ok"] and "pipe" in m["error"].lower() for m in answered.values())
+
+
+@pytest.mark.parametrize("own_thread", [True, False])
+async def test_a_file_hashed_in_a_thread_of_its_own_or_not_round_trips(make_backend, monkeypatch, own_thread):
+    """Each end hashes a file in a thread of its own (forced here: this machine has fewer
+    than ``hashthread.MIN_CORES`` cores) or in the thread that reads or writes it; either
+    way the SHA-256 is the file's, from an offset too, and a resume's first bytes count."""
+    from hermes_modal_tool.agent.files import hashthread
+
+    monkeypatch.setattr(_transfer_wire, "HASH_THREAD", own_thread)
+    monkeypatch.setattr(_transfer_wire, "CHUNK_BYTES", 64 * 1024)
+    made: list[str] = []
+    real = hashthread.HashThread
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            made.append("host")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(hashthread, "HashThread", Counted)
+    backend = await make_backend()
+    slot = await backend.acquire("t")
+    data = os.urandom(2_000_003)
+    up = await backend.upload(slot, data, "f.bin")
+    assert up.sha256 == hashlib.sha256(data).hexdigest()
+    r = await bash(backend, slot, "sha256sum f.bin | cut -c1-64")
+    assert r.output.strip() == up.sha256
+    out = io.BytesIO()
+    down = await backend.download(slot, "f.bin", out)
+    assert out.getvalue() == data and down.sha256 == up.sha256
+    # Resumed both ways: the first bytes hashed before the hash thread takes over.
+    await backend.upload(slot, data[:700_000], "g.bin")
+    rest = await backend.upload(slot, data, "g.bin", offset=700_000)
+    assert rest.bytes == len(data) - 700_000 and rest.sha256 == up.sha256
+    part = io.BytesIO(data[:900_000])
+    part.seek(900_000)
+    again = await backend.download(slot, "f.bin", part, offset=900_000)
+    assert part.getvalue() == data and again.sha256 == up.sha256
+    assert len(made) == (5 if own_thread else 0), made  # the host's side took the path asked
+
+
+def test_a_hash_thread_hashes_in_order_and_ends():
+    """``HashThread`` gives ``hashlib``'s SHA-256 of the chunks in the order handed over
+    (more than its ``AHEAD`` of them, so the feeder waits for it), continues a digest
+    already started, and ends its thread at ``hexdigest`` or ``close``."""
+    from hermes_modal_tool.agent.files.hashthread import AHEAD, HashThread, hasher
+
+    chunks = [os.urandom(100_000 + i) for i in range(AHEAD * 3)]
+    head = hashlib.sha256(b"first bytes")
+    h = HashThread(head.copy(), name="test-sha256")
+    for c in chunks:
+        h.update(c)
+    assert h.hexdigest() == hashlib.sha256(b"first bytes" + b"".join(chunks)).hexdigest()
+    assert not h._thread.is_alive()
+    stopped = HashThread()
+    stopped.update(chunks[0])
+    stopped.close()
+    stopped._thread.join(5)
+    assert not stopped._thread.is_alive()
+    with pytest.raises(ValueError):
+        stopped.hexdigest()
+    inline = hasher(head.copy(), own_thread=False)
+    inline.update(chunks[0])
+    assert inline.hexdigest() == hashlib.sha256(b"first bytes" + chunks[0]).hexdigest()

@@ -60,6 +60,9 @@ class Stream:
         # in the stream's thread, never on the loop.
         self.listing = msg.get("blob") if isinstance(msg.get("blob"), (bytes, bytearray)) else None
         self.meta = msg.get("meta")  # an upload's file: [mode, mtime] set at its end
+        # A file's SHA-256 in a thread of its own (True), in this one (False), or as the
+        # agent's cores allow (None: ``hashthread.hasher``).
+        self.hash_thread = msg.get("hash_thread") if isinstance(msg.get("hash_thread"), bool) else None
         self.digest = hashlib.sha256()
         self.aborted = False
         self.thread = threading.Thread(target=self._run, name="hermes-modal-tool-" + sid, daemon=True)

@@ -8,6 +8,7 @@ import os
 import queue
 
 from . import files, tarstream
+from .hashthread import HashThread, Inline, hasher
 from .streambase import CHUNK_BYTES, Stream, StreamError, text_of
 
 #: Bytes of a file upload's chunks answered as they arrive (queued for the stream's thread,
@@ -101,6 +102,7 @@ class Upload(Stream):
             return
         fd, shown = self._open_file()
         try:
+            self.digest = hasher(self.digest, self.hash_thread)  # beside the writes (after a resume's prefix)
             self._started()
             written = self._write_chunks(fd)
             if written is None:  # aborted: its request is answered
@@ -109,10 +111,13 @@ class Upload(Stream):
                 os.fchmod(fd, int(self.meta[0]) & 0o1777)
                 os.utime(fd, (int(self.meta[1]), int(self.meta[1])))
             size = os.fstat(fd).st_size  # what the file holds, not what was counted
+            sha256 = self.digest.hexdigest()
         finally:
+            if isinstance(self.digest, (HashThread, Inline)):
+                self.digest.close()
             os.close(fd)
         self.reply(self.end_id, {"size": size, "bytes": written, "files": 1, "path": shown,
-                                 "sha256": self.digest.hexdigest()})
+                                 "sha256": sha256})
 
     def _write_chunks(self, fd):
         """Write the chunks that come to ``fd`` until the end (its id kept in
@@ -128,10 +133,11 @@ class Upload(Stream):
                 got.pop()
             if got:
                 self.taken = [mid for _, mid, _ in got if mid is not None]
+                for _, _, blob in got:
+                    self.digest.update(blob)  # hashed in its thread while written here
                 _write_all(fd, [blob for _, _, blob in got])
                 self.taken = None
                 for _, mid, blob in got:
-                    self.digest.update(blob)
                     written += len(blob)
                     if mid is None:
                         self.ahead_out += len(blob)

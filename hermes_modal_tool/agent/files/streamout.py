@@ -13,6 +13,7 @@ import termios
 import threading
 
 from . import files, tarstream, treesums
+from .hashthread import hasher
 from .streambase import (
     CHUNK_BYTES,
     MAX_LISTED,
@@ -249,20 +250,25 @@ class Download(Stream):
                 self.digest.update(piece)
                 at += len(piece)
             sent = 0
-            while True:
-                piece = os.pread(fd, CHUNK_BYTES, at)
-                if not piece:
-                    break
-                self.digest.update(piece)
-                at += len(piece)
-                sent += len(piece)
-                self._chunk(piece)
-            now = os.fstat(fd)
+            digest = hasher(self.digest, self.hash_thread)  # beside the reads (after a resume's prefix)
+            try:
+                while True:
+                    piece = os.pread(fd, CHUNK_BYTES, at)
+                    if not piece:
+                        break
+                    digest.update(piece)
+                    at += len(piece)
+                    sent += len(piece)
+                    self._chunk(piece)
+                now = os.fstat(fd)
+                sha256 = digest.hexdigest()
+            finally:
+                digest.close()
         if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns) or at != st.st_size:
             raise StreamError("%s changed during the download (%d bytes when it started, %d now)"
                               % (shown, st.st_size, now.st_size))
         self._put(("end", {"eof": True, "files": 1, "size": at, "bytes": sent,
-                           "sha256": self.digest.hexdigest(), "path": shown}))
+                           "sha256": sha256, "path": shown}))
 
 
 class _Chunker:
