@@ -179,6 +179,23 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each live thread of process ``pid``, by thread id
+    (``/proc/PID/task/TID/schedstat``, nanoseconds); empty once it is gone."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                out[int(tid)] = int(fh.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def schedstat_s(pid: int) -> float | None:
     """CPU seconds of ``pid``'s main thread (``/proc/PID/schedstat``, nanoseconds: exact,
     where ``/proc/PID/stat`` rounds down to clock ticks); None once it is gone."""
