@@ -12,7 +12,8 @@ the next batch) and 4 MiB per download (the window, and chunks waiting for the d
 writer thread, :data:`~._transfer_wire.SINK_BYTES`); in
 the agent 2.5 MiB per upload (chunks answered on arrival, ``agent/files/streamin.AHEAD_BYTES``,
 and the window, queued for the stream's thread) and 1 MiB per
-download (``READ_AHEAD`` chunks read ahead) besides what waits in the pipe.
+download (``READ_AHEAD`` chunks read ahead) besides what waits in the pipe; with hash
+threads (``agent/files/hashthread.py``), up to ``AHEAD`` (8) more chunks on each end.
 On each end the file is read or written, and hashed, in a thread (on upload the host's
 worker threads; on download a thread of the download's own, which the loop hands each
 chunk without a wakeup; in the agent a thread of the transfer's own, which writes the
