@@ -92,27 +92,11 @@ class CallGroup:
         return [first + pos for pos in range(len(outcomes) - 1, -1, -1) if outcomes[pos] is None]
 
 
-def by_sandbox(valid: list[tuple]) -> dict[Any, list[tuple]]:
-    """A batch's valid requests (``(index, slot, tool, args, pool)``) by the sandbox of
-    their slot's lease (None for a slot whose lease is gone: its call fails when
-    submitted), in first-use order, each sandbox's in input order (so that a slot's calls
-    keep theirs)."""
-    out: dict[Any, list[tuple]] = {}
-    for item in valid:
-        rec = item[1]._sandbox
-        key = getattr(rec, "sandbox", None)
-        bucket = out.get(key)
-        if bucket is None:
-            out[key] = [item]
-        else:
-            bucket.append(item)
-    return out
-
-
-async def execute_grouped(valid: list[tuple], results: list[Any], timeout_s: float | None,
+async def execute_grouped(by_sandbox: dict[Any, list[tuple]], results: list[Any], timeout_s: float | None,
                           requests: Sequence[tuple], traced: bool) -> None:
-    """``execute_batch`` without a listener: ``valid`` (``(index, slot, tool, args,
-    pool)`` per request that passed its checks) sent as one :class:`CallGroup` per
+    """``execute_batch`` without a listener: the requests that passed its checks
+    (``(index, slot, tool, args, pool)`` each) by the sandbox of their slot's lease, in
+    ``by_sandbox`` (None: a lease gone), sent as one :class:`CallGroup` per
     sandbox (``PoolCalls.submit_group``), each flushed as soon as its calls are queued (an
     agent starts on its calls while the host queues the next sandbox's), and
     ``results[index]`` set for each: a refused call's at once, the others' where their
@@ -125,7 +109,7 @@ async def execute_grouped(valid: list[tuple], results: list[Any], timeout_s: flo
     slots' hold and the calls' spans; re-raises."""
     groups: dict[Any, CallGroup] = {}
     spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
-    for sandbox, items in by_sandbox(valid).items():
+    for sandbox, items in by_sandbox.items():
         group = items[0][4].submit_group(sandbox, items, timeout_s, results)
         if group is None:
             continue

@@ -67,9 +67,9 @@ class PoolCalls:
     def submit_group(self, sb: Any, items: list[tuple], timeout_s: float | None,
                      results: list[Any]) -> CallGroup | None:
         """Queue a batch's calls to sandbox ``sb`` as one :class:`CallGroup` (see
-        ``_call_group.py``; ``items``: ``(request index, slot, tool, args, pool)`` each, this
-        pool's, from ``by_sandbox``) and count them (the slot executing, its calls by tool,
-        the pool's rate); return the group, or None when no call could be sent. A call that
+        ``_call_group.py``; ``items``: ``(request index, slot, tool, args, pool)`` each, in
+        input order) and count them (the slot executing, its calls by tool, the pool's
+        rate); return the group, or None when no call could be sent. A call that
         cannot be sent (slot not held, sandbox dead, a timeout past the maximum) gets its
         failed ExecutionResult in ``results`` at once. The caller arms and flushes ``sb``,
         and hands each member's record to :meth:`call_ended` (:meth:`group_results` does,

@@ -401,7 +401,12 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                                       or not timeout_s > 0):
             raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         results: list[ExecutionResult | None] = [None] * len(requests)
-        valid = []
+        grouped = on_output is None
+        valid = []  # the requests that pass the checks, (index, slot, tool, args, pool)
+        # Grouped: those by the sandbox of their slot's lease (None for a slot whose lease
+        # is gone: its call fails when submitted), in first-use order, each sandbox's in
+        # input order (so that a slot's calls keep theirs).
+        by_sandbox: dict[Any, list[tuple]] = {}
         for i, req in enumerate(requests):
             try:
                 slot, tool, args = req
@@ -425,10 +430,18 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
                                                      slot.slot_id, "slot_not_held")
                 continue
-            valid.append((i, slot, tool, args, pool))
-        if on_output is None:  # one CallGroup per sandbox (_call_group.py)
-            if valid:
-                await execute_grouped(valid, results, timeout_s, requests, tracing.active())
+            if not grouped:
+                valid.append((i, slot, tool, args, pool))
+                continue
+            key = getattr(slot._sandbox, "sandbox", None)
+            bucket = by_sandbox.get(key)
+            if bucket is None:
+                by_sandbox[key] = [(i, slot, tool, args, pool)]
+            else:
+                bucket.append((i, slot, tool, args, pool))
+        if grouped:  # one CallGroup per sandbox (_call_group.py)
+            if by_sandbox:
+                await execute_grouped(by_sandbox, results, timeout_s, requests, tracing.active())
             return results  # type: ignore[return-value]
         await self._execute_streamed(valid, results, timeout_s, on_output)
         return results  # type: ignore[return-value]

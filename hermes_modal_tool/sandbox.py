@@ -145,7 +145,8 @@ class Sandbox:
             if type(result) is not dict:
                 result = ValueError(f"sandbox {self.sandbox_id}: the agent's result of call {mid} is "
                                     f"not an object: {result!r:.80}")
-            self._answer(group, mid, result)
+            if group.answer(mid, result) and group.timer is not None:  # _answer, inline
+                self._drop_deadline(group)
 
     def _on_event(self, msg: dict[str, Any]) -> None:
         """``queued``: the call waits before it starts (no deadline meanwhile);
@@ -340,9 +341,13 @@ class Sandbox:
 
     def _answer(self, group: CallGroup, mid: int, outcome: Any) -> None:
         if group.answer(mid, outcome) and group.timer is not None:
-            if self._timers is not None:
-                self._timers.drop(group.timer)
-            group.timer = None
+            self._drop_deadline(group)
+
+    def _drop_deadline(self, group: CallGroup) -> None:
+        """The complete ``group`` needs its deadline no more."""
+        if self._timers is not None and group.timer is not None:
+            self._timers.drop(group.timer)
+        group.timer = None
 
     def _expire_group(self, group: CallGroup) -> None:
         group.timer = None

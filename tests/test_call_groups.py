@@ -30,6 +30,7 @@ AGENT_RESULTS = [
     {"output": "ab", "returncode": 0, "stdout_b64": "YWI="},  # stderr empty, bytes
     {"output": "f", "returncode": 0, "data": {"path": "a.txt", "returncode": None}},  # data overrides
     protocol.call_result(output="full\n", returncode=0),  # a whole result, every key
+    {}, {"returncode": None}, {"output": "n\n", "returncode": "0"},  # plain keys, odd values
 ]
 
 
