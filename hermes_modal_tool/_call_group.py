@@ -5,7 +5,9 @@ bookkeeping runs there, whatever the number of cores (``benchmarks/_scaling.py``
 batch's calls to one sandbox (without a listener) share what can be shared: they go in
 one ``calls`` frame and come back in ``results`` frames (``protocol.py``), and here they
 share one completion and one deadline (:class:`CallGroup`) instead of a future and a
-deadline each.
+deadline each, their ids are consecutive (a call's place in its group is its id less the
+group's first), and their results are made together where the group completes
+(:meth:`~hermes_modal_tool._pool_calls.PoolCalls.group_results`).
 
 The deadline keeps the per-call rule of ``sandbox.py``: a group waits at most the
 longest wait of its calls (each call's timeout plus ``HOST_GRACE_S``) from when it was
@@ -20,22 +22,39 @@ answering, not a call's timeout (the agent enforces that), one per group is enou
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import tracing
 
 
+class Reply:
+    """A grouped call's outcome that came as a reply frame of its own (``{"id", "ok",
+    "error"?, "result"?}``: the agent refused it, or answered it outside a ``results``
+    frame); :meth:`PoolCalls.to_result` reads ``message`` as a ``call``'s reply."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: dict[str, Any]) -> None:
+        self.message = message
+
+
 class CallGroup:
-    """A batch's compact calls to one sandbox: their ids, their outcomes (the agent's reply
-    ``{"ok": ..., "result": ...}``, or an exception) in the order they were added, and
-    ``on_complete``, called once every call has its outcome (a group complete before it is
-    set is one whose ``left`` is 0: see gather_outcomes)."""
+    """A batch's compact calls to one sandbox, in the order they were queued.
 
-    __slots__ = ("mids", "outcomes", "left", "wait_s", "timer", "queued", "on_complete")
+    ``members``: ``(request index, slot, tool, slot record)`` per call (the pool's);
+    ``first``: the first call's id (the others follow, one each); ``outcomes``: per call,
+    its result (the agent's ``call`` result, a dict), a :class:`Reply`, or an exception;
+    None until it comes. ``on_complete`` is called once every call has its outcome (a
+    group complete before it is set is one whose ``left`` is 0)."""
 
-    def __init__(self) -> None:
-        self.mids: dict[int, int] = {}  # request id -> position in outcomes
+    __slots__ = ("pool", "members", "first", "outcomes", "left", "wait_s", "timer", "queued",
+                 "on_complete")
+
+    def __init__(self, pool: Any = None) -> None:
+        self.pool = pool
+        self.members: list[tuple[int, Any, str, Any]] = []
+        self.first = 0
         self.outcomes: list[Any] = []
         self.left = 0
         self.wait_s = 0.0
@@ -44,19 +63,19 @@ class CallGroup:
         # Called with the group where its last outcome arrives (the sandbox's reader).
         self.on_complete: Callable[[CallGroup], None] | None = None
 
-    def add(self, mid: int, wait_s: float) -> None:
-        self.mids[mid] = len(self.outcomes)
-        self.outcomes.append(None)
-        self.left += 1
-        if wait_s > self.wait_s:
-            self.wait_s = wait_s
+    def open(self, first: int, n: int) -> None:
+        """The group's ``n`` calls have the ids ``first``, ``first + 1``, ..."""
+        self.first = first
+        self.outcomes = [None] * n
+        self.left = n
 
     def answer(self, mid: int, outcome: Any) -> bool:
         """Record call ``mid``'s outcome (the first one only); True once the group is complete."""
-        pos = self.mids.get(mid)
-        if pos is None or self.outcomes[pos] is not None:
+        pos = mid - self.first
+        outcomes = self.outcomes
+        if pos < 0 or pos >= len(outcomes) or outcomes[pos] is not None:
             return False
-        self.outcomes[pos] = outcome
+        outcomes[pos] = outcome
         self.left -= 1
         if self.left:
             return False
@@ -65,61 +84,45 @@ class CallGroup:
         return True
 
     def outcome(self, mid: int) -> Any:
-        return self.outcomes[self.mids[mid]]
+        return self.outcomes[mid - self.first]
 
     def unanswered(self) -> list[int]:
         """The ids of the calls with no outcome yet, last added first."""
-        return [mid for mid, pos in reversed(self.mids.items()) if self.outcomes[pos] is None]
+        first, outcomes = self.first, self.outcomes
+        return [first + pos for pos in range(len(outcomes) - 1, -1, -1) if outcomes[pos] is None]
 
 
-def by_sandbox(valid: list[tuple]) -> dict[Any, list[tuple]]:
-    """A batch's valid requests (``(index, slot, tool, args, pool)``) by the sandbox of
-    their slot's lease (None for a slot whose lease is gone: its call fails when
-    submitted), in first-use order, each sandbox's in input order (so that a slot's calls
-    keep theirs)."""
-    out: dict[Any, list[tuple]] = {}
-    for item in valid:
-        rec = item[1]._sandbox
-        key = getattr(rec, "sandbox", None)
-        bucket = out.get(key)
-        if bucket is None:
-            out[key] = [item]
-        else:
-            bucket.append(item)
-    return out
-
-
-async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], touched: dict[Any, None],
-                          spans: dict[int, tuple[Any, float]],
-                          finish: Callable[[tuple, Any], None]) -> None:
-    """``execute_batch``'s wait: ``finish(entry, outcome)`` for each waiting call with its
-    outcome (the agent's reply, or an exception): a sandbox's calls as soon as its
-    :class:`CallGroup` is complete, where its last result arrives (while other sandboxes'
-    calls still run, so that the results are made meanwhile, not all after the last, and
-    the task wakes once for the batch, not once per sandbox); a call with a listener from
-    its own future, one after another, not gather(): a batch's results come in one frame,
-    so the task wakes once and finds the rest done (gather schedules a callback per
-    future: a loop pass each).
-
-    ``waiting``: ``(index, pool, tool, slot, sandbox, id, group or future, execution id,
-    record)`` per call sent; ``touched``: the sandboxes written to; ``spans``: request
-    index -> (span, start) when traced.
+async def execute_grouped(by_sandbox: dict[Any, list[tuple]], results: list[Any], timeout_s: float | None,
+                          requests: Sequence[tuple], traced: bool) -> None:
+    """``execute_batch`` without a listener: the requests that passed its checks
+    (``(index, slot, tool, args, pool)`` each) by the sandbox of their slot's lease, in
+    ``by_sandbox`` (None: a lease gone), sent as one :class:`CallGroup` per
+    sandbox (``PoolCalls.submit_group``), each flushed as soon as its calls are queued (an
+    agent starts on its calls while the host queues the next sandbox's), and
+    ``results[index]`` set for each: a refused call's at once, the others' where their
+    group completes (in the sandbox's reader, as its last result arrives, while other
+    sandboxes' calls still run; the task wakes once, when the last group is complete).
 
     Cancelled (the awaiting task): tells the agent to stop every call that has not
     answered, last ones first and in one write per sandbox, so that a call queued behind
     a cancelled one in its slot is dropped before that one ends, never started; ends the
-    calls' spans; re-raises."""
-    members: dict[CallGroup, list[tuple]] = {}
-    alone = []
-    for w in waiting:
-        waiter = w[6]
-        if isinstance(waiter, CallGroup):
-            members.setdefault(waiter, []).append(w)
-        else:
-            alone.append(w)
-    finished: set[int] = set()
+    slots' hold and the calls' spans; re-raises."""
+    groups: dict[Any, CallGroup] = {}
+    spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
+    for sandbox, items in by_sandbox.items():
+        group = items[0][4].submit_group(sandbox, items, timeout_s, results)
+        if group is None:
+            continue
+        groups[sandbox] = group
+        if traced:
+            for i, slot, tool, _ in group.members:
+                spans[i] = tracing.call_span(slot, tool)
+        sandbox.arm(group)
+        sandbox.flush()
+    if not groups:
+        return
+    finished: set[CallGroup] = set()
     all_done = asyncio.get_running_loop().create_future()
-    left = [len(members)]
 
     def complete(group: CallGroup) -> None:
         # Where the group's last outcome arrives (Sandbox._on_data): its results are made
@@ -127,27 +130,59 @@ async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], to
         group.on_complete = None
         if all_done.done():
             return
+        finished.add(group)
         try:
-            for w in members[group]:
-                finished.add(w[0])
-                finish(w, group.outcome(w[5]))
+            group.pool.group_results(group, results, requests)
+            if traced:
+                for member in group.members:
+                    i = member[0]
+                    tracing.end_call_span(*spans[i], results[i])
         except BaseException as exc:  # noqa: BLE001 - raised in the task, not in the reader
             all_done.set_exception(exc)
             return
-        left[0] -= 1
-        if not left[0]:
+        if len(finished) == len(groups):
             all_done.set_result(None)
 
     try:
-        if not members:
-            all_done.set_result(None)
-        for group in members:
+        for group in groups.values():
             if group.left:
                 group.on_complete = complete
             else:
                 complete(group)
         await all_done
-        for w in alone:
+    except asyncio.CancelledError:
+        for group in groups.values():
+            group.on_complete = None
+        for sb, group in groups.items():
+            sb.abandon(group)
+        for group in reversed(groups.values()):
+            if group not in finished:
+                for i, slot, _, rec in reversed(group.members):
+                    group.pool.call_ended(rec, slot)
+                    if i in spans:
+                        tracing.end_error(spans[i][0], asyncio.CancelledError("the batch was cancelled"))
+        raise
+
+
+async def gather_outcomes(waiting: list[tuple], touched: dict[Any, None],
+                          spans: dict[int, tuple[Any, float]],
+                          finish: Callable[[tuple, Any], None]) -> None:
+    """``execute_batch``'s wait for calls sent one by one (each with a listener):
+    ``finish(entry, outcome)`` for each waiting call with its outcome (the agent's reply,
+    or an exception) from its own future, one after another, not gather(): a batch's
+    results come in one frame, so the task wakes once and finds the rest done (gather
+    schedules a callback per future: a loop pass each).
+
+    ``waiting``: ``(index, pool, tool, slot, sandbox, id, future, execution id,
+    record)`` per call sent; ``touched``: the sandboxes written to; ``spans``: request
+    index -> (span, start) when traced.
+
+    Cancelled (the awaiting task): tells the agent to stop every call that has not
+    answered, last ones first and in one write per sandbox (as :func:`execute_grouped`);
+    ends the calls' spans; re-raises."""
+    finished: set[int] = set()
+    try:
+        for w in waiting:
             try:
                 outcome = await w[6]
             except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
@@ -157,14 +192,10 @@ async def gather_outcomes(waiting: list[tuple], groups: dict[Any, CallGroup], to
             finished.add(w[0])
             finish(w, outcome)
     except asyncio.CancelledError:
-        for group in members:
-            group.on_complete = None
-        for sb, group in groups.items():
-            sb.abandon(group)
-        for i, pool, _, slot, sb, mid, waiter, _, rec in reversed(waiting):
+        for i, pool, _, slot, sb, mid, fut, _, rec in reversed(waiting):
             if i in finished:
                 continue
-            if not isinstance(waiter, CallGroup) and (not waiter.done() or waiter.cancelled()):
+            if not fut.done() or fut.cancelled():
                 sb.cancel(mid, flush=False)
             pool.call_ended(rec, slot)
         for sb in touched:

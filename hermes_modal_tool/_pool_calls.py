@@ -1,6 +1,6 @@
 """The pool's tool calls (mixed into :class:`~hermes_modal_tool.pool.SandboxPool`): a
 call checked and sent to its slot's sandbox, one at a time (:meth:`PoolCalls.submit`) or
-grouped per sandbox for a batch (:meth:`PoolCalls.submit_grouped`, ``_call_group.py``),
+grouped per sandbox for a batch (:meth:`PoolCalls.submit_group`, ``_call_group.py``),
 counted, and its reply made an :class:`ExecutionResult`.
 """
 
@@ -10,15 +10,16 @@ import json
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._call_group import CallGroup
+from ._call_group import CallGroup, Reply
 from ._pool_status import RATE_TICKS_PER_S
 from ._slot_record import SlotRecord as _Record
 from .errors import HermesModalToolError, SandboxError, UsageError
 from .protocol import ProtocolError
 from .sandbox import HOST_GRACE_S
-from .slots import ExecutionResult, Slot, SlotState
+from .slots import ExecutionResult, Slot, SlotState, execution_ids
 
 if TYPE_CHECKING:
     from .config import SandboxConfig
@@ -63,25 +64,85 @@ class PoolCalls:
         self.count_rate(1)
         return rec.sandbox, mid, fut, rec
 
-    def submit_grouped(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None,
-                       groups: dict[Any, CallGroup]):
-        """Queue one tool call of a batch in its sandbox's :class:`CallGroup` (made in
-        ``groups``, keyed by sandbox, on the first call there; see ``_call_group.py``);
-        return ``(sandbox, mid, group, record)`` or an ExecutionResult on error. The
-        caller arms and flushes each sandbox of ``groups`` once the batch's calls are
-        queued, counts them in the pool's rate (:meth:`count_rate`, once per batch),
-        and hands ``record`` to :meth:`call_ended` when the call is done or abandoned."""
-        prepared = self._prepare(slot, tool, args, timeout_s)
-        if isinstance(prepared, ExecutionResult):
-            return prepared
-        rec, message, wait = prepared
-        sb = rec.sandbox
-        group = groups.get(sb)
-        if group is None:
-            group = groups[sb] = CallGroup()
-        mid = sb.submit_grouped(group, message, wait)
-        self._count(rec, slot, tool)
-        return sb, mid, group, rec
+    def submit_group(self, sb: Any, items: list[tuple], timeout_s: float | None,
+                     results: list[Any]) -> CallGroup | None:
+        """Queue a batch's calls to sandbox ``sb`` as one :class:`CallGroup` (see
+        ``_call_group.py``; ``items``: ``(request index, slot, tool, args, pool)`` each, in
+        input order) and count them (the slot executing, its calls by tool, the pool's
+        rate); return the group, or None when no call could be sent. A call that
+        cannot be sent (slot not held, sandbox dead, a timeout past the maximum) gets its
+        failed ExecutionResult in ``results`` at once. The caller arms and flushes ``sb``,
+        and hands each member's record to :meth:`call_ended` (:meth:`group_results` does,
+        once the group is complete).
+
+        The checks of :meth:`_prepare`, inline: one call costs the host's loop what it
+        must, since that loop serves every sandbox (``benchmarks/_scaling.py``)."""
+        timeout = timeout_s if timeout_s is not None else self.config.execution_timeout_s
+        group = CallGroup(self)
+        members = group.members
+        calls = []
+        longest = 0.0
+        dead = sb is None or sb.dead
+        executing = SlotState.EXECUTING
+        for i, slot, tool, args, _ in items:
+            rec = slot._sandbox
+            wait = timeout
+            if tool == "bash":
+                own = args.get("timeout")
+                if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+                    wait = own if own <= MAX_CALL_TIMEOUT_S else math.inf  # as _prepare
+            if (dead or type(rec) is not _Record or rec.holder is not slot or rec.lease != slot._lease
+                    or wait > MAX_CALL_TIMEOUT_S):
+                refused = self._prepare(slot, tool, args, timeout_s)
+                if isinstance(refused, ExecutionResult):
+                    results[i] = refused
+                    continue
+                rec = refused[0]  # a record of a subclass: as valid as ours
+            if wait > longest:
+                longest = wait
+            calls.append([0, rec.index, tool, args if type(args) is dict else dict(args), timeout])
+            members.append((i, slot, tool, rec))
+            rec.inflight += 1
+            counts = slot._calls
+            counts[tool] = counts.get(tool, 0) + 1
+            slot.state = executing
+        if not members:
+            return None
+        group.wait_s = float(longest) + HOST_GRACE_S
+        sb.submit_group(group, calls)
+        self.count_rate(len(members))
+        return group
+
+    def group_results(self, group: CallGroup, results: list[Any], requests: Sequence[tuple]) -> None:
+        """The complete ``group``'s calls made ExecutionResults, each in ``results`` at its
+        request's index (``requests``: the batch's, for a call JSON could not carry), each
+        slot's hold ended (:meth:`call_ended`), failures and timeouts counted."""
+        ids = execution_ids(len(group.members))
+        failures = timeouts = 0
+        executing, acquired = SlotState.EXECUTING, SlotState.ACQUIRED
+        make = ExecutionResult.from_agent
+        for (i, slot, tool, rec), outcome, eid in zip(group.members, group.outcomes, ids, strict=True):
+            rec.inflight -= 1  # call_ended, inline
+            if rec.inflight == 0 and rec.holder is slot and slot.state is executing:
+                slot.state = acquired
+            if type(outcome) is dict:
+                result = make(outcome, slot.slot_id, eid, tool)
+                meta = result.metadata
+                if not result.success:
+                    failures += 1
+                if meta["timed_out"]:
+                    timeouts += 1
+            elif isinstance(outcome, ProtocolError):  # a call JSON could not carry
+                result = unsendable(slot, tool, requests[i][2], outcome)
+            elif isinstance(outcome, Reply):
+                result = self.to_result(slot, tool, outcome.message, eid)
+            else:
+                result = self.to_result(slot, tool, outcome, eid)
+            results[i] = result
+        if failures:
+            self.stats["failures"] += failures
+        if timeouts:
+            self.stats["timeouts"] += timeouts
 
     def _prepare(self, slot: Slot, tool: str, args: dict[str, Any], timeout_s: float | None):
         """``(record, call message, host wait in seconds)`` for a call, or the failed

@@ -27,8 +27,7 @@ from typing import Any
 from . import streaming, tracing
 from ._artifact_api import ArtifactMethods
 from ._call_api import CallMethods
-from ._call_group import CallGroup, by_sandbox, gather_outcomes
-from ._pool_calls import unsendable
+from ._call_group import execute_grouped, gather_outcomes
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -39,7 +38,6 @@ from .filetransfer import TransferMethods
 from .pool import SandboxPool
 from .previews import PreviewMethods
 from .processes import ProcessMethods
-from .protocol import ProtocolError
 from .shared_setup import SharedSetups
 from .slots import ExecutionResult, OutputEvent, Slot, execution_id
 from .snapshots import SlotSnapshot, Snapshots
@@ -403,12 +401,12 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                                       or not timeout_s > 0):
             raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         results: list[ExecutionResult | None] = [None] * len(requests)
-        traced = tracing.active()
-        spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
-        touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
-        groups: dict[Any, CallGroup] = {}  # sandbox -> the batch's calls there (no listener)
-        waiting: list[tuple[int, Any, str, Slot, Any, int, Any, str, Any]] = []
-        valid = []
+        grouped = on_output is None
+        valid = []  # the requests that pass the checks, (index, slot, tool, args, pool)
+        # Grouped: those by the sandbox of their slot's lease (None for a slot whose lease
+        # is gone: its call fails when submitted), in first-use order, each sandbox's in
+        # input order (so that a slot's calls keep theirs).
+        by_sandbox: dict[Any, list[tuple]] = {}
         for i, req in enumerate(requests):
             try:
                 slot, tool, args = req
@@ -432,49 +430,53 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
                                                      slot.slot_id, "slot_not_held")
                 continue
-            valid.append((i, slot, tool, args, pool))
+            if not grouped:
+                valid.append((i, slot, tool, args, pool))
+                continue
+            key = getattr(slot._sandbox, "sandbox", None)
+            bucket = by_sandbox.get(key)
+            if bucket is None:
+                by_sandbox[key] = [(i, slot, tool, args, pool)]
+            else:
+                bucket.append((i, slot, tool, args, pool))
+        if grouped:  # one CallGroup per sandbox (_call_group.py)
+            if by_sandbox:
+                await execute_grouped(by_sandbox, results, timeout_s, requests, tracing.active())
+            return results  # type: ignore[return-value]
+        await self._execute_streamed(valid, results, timeout_s, on_output)
+        return results  # type: ignore[return-value]
 
-        def sent(i: int, slot: Slot, tool: str, pool: SandboxPool, submitted: Any) -> None:
+    async def _execute_streamed(self, valid: list[tuple], results: list[Any], timeout_s: float | None,
+                                on_output: Callable[[OutputEvent], Any]) -> None:
+        """:meth:`execute_batch` with a listener: each call sent alone (``PoolCalls.submit``,
+        its output streamed to ``on_output``), all in one write per sandbox."""
+        traced = tracing.active()
+        spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
+        touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
+        waiting: list[tuple[int, Any, str, Slot, Any, int, Any, str, Any]] = []
+        for i, slot, tool, args, pool in valid:
+            submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False,
+                                    listener=streaming.listener(i, slot.slot_id, on_output))
             if isinstance(submitted, ExecutionResult):
                 results[i] = submitted
-                return
-            sb, mid, waiter, rec = submitted
+                continue
+            sb, mid, fut, rec = submitted
             if traced:
                 spans[i] = tracing.call_span(slot, tool)
             touched[sb] = None
-            waiting.append((i, pool, tool, slot, sb, mid, waiter, execution_id(), rec))
-
-        if on_output is None:
-            # One CallGroup per sandbox (_call_group.py), each sent as soon as its calls are
-            # queued: an agent starts on its calls while the host queues the next sandbox's.
-            for sandbox, items in by_sandbox(valid).items():
-                for i, slot, tool, args, pool in items:
-                    sent(i, slot, tool, pool, pool.submit_grouped(slot, tool, dict(args), timeout_s, groups))
-                group = groups.get(sandbox)
-                if group is not None:  # the calls it holds (not those refused before sending)
-                    pool.count_rate(len(group.mids))
-                    sandbox.arm(group)
-                    sandbox.flush()
-        else:
-            for i, slot, tool, args, pool in valid:
-                sent(i, slot, tool, pool, pool.submit(slot, tool, dict(args), timeout_s, flush=False,
-                                                      listener=streaming.listener(i, slot.slot_id, on_output)))
+            waiting.append((i, pool, tool, slot, sb, mid, fut, execution_id(), rec))
         for sb in touched:
             sb.flush()
 
         def finish(w: tuple, outcome: Any) -> None:
-            i, pool, tool, slot, _sb, _mid, _waiter, eid, rec = w
+            i, pool, tool, slot, _sb, _mid, _fut, eid, rec = w
             pool.call_ended(rec, slot)
-            if isinstance(outcome, ProtocolError):  # a grouped call JSON could not carry
-                results[i] = unsendable(slot, tool, requests[i][2], outcome)
-            else:
-                results[i] = pool.to_result(slot, tool, outcome, eid)
+            results[i] = pool.to_result(slot, tool, outcome, eid)
             if traced:
                 tracing.end_call_span(*spans[i], results[i])
 
         if waiting:
-            await gather_outcomes(waiting, groups, touched, spans, finish)
-        return results  # type: ignore[return-value]
+            await gather_outcomes(waiting, touched, spans, finish)
 
 
 class ModalToolBackend(ToolBackend):

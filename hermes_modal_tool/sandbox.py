@@ -13,7 +13,6 @@ admission, or for its shell to start) has none until the agent reports it
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -21,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import protocol, tracing
-from ._call_group import CallGroup
+from ._call_group import CallGroup, Reply
 from .deadlines import Deadlines
 from .drivers.base import SandboxHandle
 from .errors import ConfigError, SandboxDiedError, SandboxError, SandboxStartError
@@ -65,15 +64,15 @@ class Sandbox:
         self.death_reason: str | None = None
         self.started_at = time.monotonic()
         self.last_used = self.started_at
-        self._ids = itertools.count(1)
+        self._last_id = 0  # the last request id given (ids start at 1)
         self._pending: dict[int, asyncio.Future] = {}
         # request id -> (its deadline's entry in self._timers or None, its wait in seconds)
         self._deadlines: dict[int, tuple[list | None, float]] = {}
         self._timers: Deadlines | None = None  # made on the first request's loop
         self._outbox: list[bytes] = []
-        # Grouped calls (submit_grouped) queued since the last flush: (id, message),
-        # sent as one ``calls`` frame (see :meth:`flush`).
-        self._calls: list[tuple[int, dict[str, Any]]] = []
+        # Grouped calls (submit_group) queued since the last flush, each ``[id, slot,
+        # tool, args, timeout]``, sent as one ``calls`` frame (see :meth:`flush`).
+        self._calls: list[list[Any]] = []
         self._groups: dict[int, CallGroup] = {}  # id of a grouped call not answered yet -> its group
         self._listeners: dict[int, Callable[[dict[str, Any]], None]] = {}
         self._unacked = 0  # streamed output received and not yet acknowledged
@@ -123,21 +122,31 @@ class Sandbox:
             elif "results" in msg:
                 self._on_results(msg["results"])
             elif mid in self._groups:  # a grouped call answered in a frame of its own
-                self._answer(self._groups.pop(mid), mid, msg)  # type: ignore[arg-type]
+                self._answer(self._groups.pop(mid), mid, Reply(msg))  # type: ignore[arg-type]
             elif "event" in msg:
                 self._on_event(msg)
 
     def _on_results(self, results: list[list[Any]]) -> None:
         """A ``results`` frame: ``[id, result]`` of several calls sent in a ``calls`` frame
-        (the agent sends a batch's results together). Each call's group gets the reply a
-        ``call`` frame would have got (``{"ok": True, "result": ...}``); the agent leaves
-        out the fields of a result that have their default value (no error, not timed
-        out, not truncated, no data), which :meth:`ExecutionResult.from_agent` fills in."""
+        (the agent sends a batch's results together). Each call's group gets its result
+        (the agent leaves out the fields of a result that have their default value: no
+        error, not timed out, not truncated, no data, which
+        :meth:`ExecutionResult.from_agent` fills in); an entry that is not ``[id, an
+        object]`` fails its call, if it names one (a ValueError: its answer is lost)."""
         groups = self._groups
-        for mid, result in results:
-            group = groups.pop(mid, None)
-            if group is not None:
-                self._answer(group, mid, {"ok": True, "result": result})
+        for entry in results:
+            try:
+                mid, result = entry
+                group = groups.pop(mid, None)
+            except (TypeError, ValueError):  # not a pair, or an id that cannot be a key
+                continue
+            if group is None:
+                continue
+            if type(result) is not dict:
+                result = ValueError(f"sandbox {self.sandbox_id}: the agent's result of call {mid} is "
+                                    f"not an object: {result!r:.80}")
+            if group.answer(mid, result) and group.timer is not None:  # _answer, inline
+                self._drop_deadline(group)
 
     def _on_event(self, msg: dict[str, Any]) -> None:
         """``queued``: the call waits before it starts (no deadline meanwhile);
@@ -246,7 +255,7 @@ class Sandbox:
         if self.dead:
             fut.set_exception(SandboxDiedError(f"sandbox {self.sandbox_id} died: {self.death_reason}"))
             return 0, fut
-        mid = next(self._ids)
+        self._last_id = mid = self._last_id + 1
         message["id"] = mid
         self._enqueue(protocol.encode(message))  # ProtocolError before anything is registered
         self._pending[mid] = fut
@@ -258,21 +267,27 @@ class Sandbox:
         self.last_used = time.monotonic()
         return mid, fut
 
-    def submit_grouped(self, group: CallGroup, message: dict[str, Any], wait_s: float) -> int:
-        """Queue one ``call`` (``message``: slot, tool, args, timeout) of ``group`` for the
-        next :meth:`flush`, which sends the queued calls in one ``calls`` frame; return
-        its id. Its outcome comes in ``group`` (see ``_call_group.py``; start the group's
-        deadline with :meth:`arm` once its calls are added). A message JSON cannot carry
-        gets that ProtocolError as its outcome at the flush; a dead sandbox's calls get
-        SandboxDiedError at once."""
-        mid = next(self._ids)
-        group.add(mid, wait_s)
+    def submit_group(self, group: CallGroup, calls: list[list[Any]]) -> None:
+        """Queue ``group``'s calls for the next :meth:`flush`, which sends the queued calls
+        in one ``calls`` frame. ``calls``: ``[0, slot index, tool, args, timeout]`` each
+        (seconds), in the group's order; each gets its id in place of the 0, one after
+        another from the group's ``first``. Their outcomes come in ``group`` (see
+        ``_call_group.py``; start the group's deadline with :meth:`arm`). A call JSON
+        cannot carry gets that ProtocolError as its outcome at the flush; a dead
+        sandbox's calls get SandboxDiedError at once."""
+        first = self._last_id + 1
+        self._last_id += len(calls)
+        group.open(first, len(calls))
         if self.dead:
-            group.answer(mid, SandboxDiedError(f"sandbox {self.sandbox_id} died: {self.death_reason}"))
-            return mid
-        self._groups[mid] = group
-        self._calls.append((mid, message))
-        return mid
+            err = SandboxDiedError(f"sandbox {self.sandbox_id} died: {self.death_reason}")
+            for mid in range(first, first + len(calls)):
+                group.answer(mid, err)
+            return
+        groups = self._groups
+        for mid, call in enumerate(calls, first):
+            call[0] = mid
+            groups[mid] = group
+        self._calls += calls
 
     def arm(self, group: CallGroup) -> None:
         """Start ``group``'s deadline (the longest wait of its calls), unless it is complete."""
@@ -307,14 +322,13 @@ class Sandbox:
             if not self.dead:
                 self.handle.write(data)
 
-    def _calls_frames(self, calls: list[tuple[int, dict[str, Any]]]) -> list[bytes]:
-        """``calls`` frames for compact calls: ``[id, slot, tool, args, timeout]`` each, one
-        frame for all of them unless JSON cannot carry one call's message or the frame
-        would pass the size limit; then halves, down to the call that cannot go, whose
-        outcome in its group is that ProtocolError (the others go)."""
+    def _calls_frames(self, calls: list[list[Any]]) -> list[bytes]:
+        """``calls`` frames for compact calls (``[id, slot, tool, args, timeout]`` each): one
+        frame for all of them unless JSON cannot carry one call or the frame would pass
+        the size limit; then halves, down to the call that cannot go, whose outcome in its
+        group is that ProtocolError (the others go)."""
         try:
-            return [protocol.encode({"id": 0, "op": "calls", "calls": [
-                [mid, m["slot"], m["tool"], m["args"], m["timeout"]] for mid, m in calls]})]
+            return [protocol.encode({"id": 0, "op": "calls", "calls": calls})]
         except protocol.ProtocolError as exc:
             if len(calls) > 1:
                 half = len(calls) // 2
@@ -327,9 +341,13 @@ class Sandbox:
 
     def _answer(self, group: CallGroup, mid: int, outcome: Any) -> None:
         if group.answer(mid, outcome) and group.timer is not None:
-            if self._timers is not None:
-                self._timers.drop(group.timer)
-            group.timer = None
+            self._drop_deadline(group)
+
+    def _drop_deadline(self, group: CallGroup) -> None:
+        """The complete ``group`` needs its deadline no more."""
+        if self._timers is not None and group.timer is not None:
+            self._timers.drop(group.timer)
+        group.timer = None
 
     def _expire_group(self, group: CallGroup) -> None:
         group.timer = None

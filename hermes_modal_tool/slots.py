@@ -83,6 +83,13 @@ def execution_id() -> str:
         return raw[:32]
 
 
+def execution_ids(n: int) -> list[str]:
+    """``n`` new ``execution_id``s (each as :func:`execution_id`'s: 32 random hex
+    characters), from one ``os.urandom`` of ``16 * n`` bytes: a batch's in one go."""
+    raw = os.urandom(16 * n).hex()
+    return [raw[i:i + 32] for i in range(0, 32 * n, 32)]
+
+
 @dataclass
 class ExecutionResult:
     """The result of one tool call.
@@ -160,27 +167,74 @@ class ExecutionResult:
     @classmethod
     def from_agent(cls, result: dict[str, Any], slot_id: str, execution_id: str,
                    tool: str) -> ExecutionResult:
-        """Build from the agent's ``call`` result (see :mod:`hermes_modal_tool.protocol`)."""
-        rc = result.get("returncode")
-        error = result.get("error")
-        if error is None and tool == "bash" and rc not in (0, None):
+        """Build from the agent's ``call`` result (see :mod:`hermes_modal_tool.protocol`; a
+        ``results`` frame's compact result too: a key left out has its default).
+
+        The same result as the constructor with these fields, made without it: the
+        dataclass ``__init__`` with keywords and ``__post_init__`` cost about 1 µs of the
+        host's event loop per call, a tenth of what a grouped call costs it there
+        (``benchmarks/_scaling.py``); so ``__post_init__``'s rules are applied here and
+        the fields set on a bare instance (a subclass goes through its constructor); a
+        result of output, exit code and run time alone (most calls) in fewer steps."""
+        if cls is ExecutionResult and result.keys() <= _PLAIN_KEYS:
+            rc = result.get("returncode")
+            output = result.get("output", "")
+            error = f"exit code {rc}" if rc not in (0, None) and tool == "bash" else None
+            self = _new(ExecutionResult)  # the fields in their order (the class's shared keys)
+            self.success = error is None  # (so no "reason": an error has an exit code here)
+            self.output = output
+            self.error = error
+            self.execution_id = execution_id
+            self.slot_id = slot_id
+            self.metadata = {"returncode": rc, "duration_s": result.get("duration_s", 0.0),
+                             "timed_out": False, "truncated": False}
+            self.stdout = output
+            self.stderr = b"" if isinstance(output, bytes) else ""
+            return self
+        get = result.get
+        rc = get("returncode")
+        error = get("error")
+        if error is None and rc not in (0, None) and tool == "bash":
             error = f"exit code {rc}"
-        meta = {
-            "returncode": rc,
-            "duration_s": result.get("duration_s", 0.0),
-            "timed_out": bool(result.get("timed_out")),
-            "truncated": bool(result.get("truncated")),
-        }
-        meta.update(result.get("data") or {})
-        output = result.get("output", "")
-        stdout, stderr = result.get("stdout"), result.get("stderr")
+        meta = {"returncode": rc, "duration_s": get("duration_s", 0.0),
+                "timed_out": bool(get("timed_out")), "truncated": bool(get("truncated"))}
+        data = get("data")
+        if data:
+            meta.update(data)
+        output = get("output", "")
+        stdout, stderr = get("stdout"), get("stderr")
         if "stdout_b64" in result:
             stdout = base64.b64decode(result["stdout_b64"])
-            stderr = base64.b64decode(result.get("stderr_b64") or "")
-            meta["stdout_bytes"] = result.get("stdout_bytes", len(stdout))
-            meta["stderr_bytes"] = result.get("stderr_bytes", len(stderr))
-        return cls(success=error is None, output=output, error=error, execution_id=execution_id,
-                   slot_id=slot_id, metadata=meta, stdout=stdout, stderr=stderr)
+            stderr = base64.b64decode(get("stderr_b64") or "")
+            meta["stdout_bytes"] = get("stdout_bytes", len(stdout))
+            meta["stderr_bytes"] = get("stderr_bytes", len(stderr))
+        success = error is None
+        if cls is not ExecutionResult:
+            return cls(success=success, output=output, error=error, execution_id=execution_id,
+                       slot_id=slot_id, metadata=meta, stdout=stdout, stderr=stderr)
+        if meta.get("returncode") is None:  # __post_init__'s rules
+            meta.setdefault("returncode", None)
+            if not success:
+                meta.setdefault("reason", "not_run")
+        if stdout is None:
+            stdout = output
+        if stderr is None:
+            stderr = b"" if isinstance(stdout, bytes) else ""
+        self = _new(ExecutionResult)
+        self.success = success
+        self.output = output
+        self.error = error
+        self.execution_id = execution_id
+        self.slot_id = slot_id
+        self.metadata = meta
+        self.stdout = stdout
+        self.stderr = stderr
+        return self
+
+
+_new = object.__new__
+#: The keys of a compact result that ``from_agent`` makes in fewer steps.
+_PLAIN_KEYS = frozenset(("output", "returncode", "duration_s"))
 
 
 @dataclass(frozen=True)
