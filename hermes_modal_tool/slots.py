@@ -134,14 +134,7 @@ class ExecutionResult:
     stderr: str | bytes | None = None
 
     def __post_init__(self) -> None:
-        if self.metadata.get("returncode") is None:
-            self.metadata.setdefault("returncode", None)
-            if not self.success:
-                self.metadata.setdefault("reason", "not_run")
-        if self.stdout is None:
-            self.stdout = self.output
-        if self.stderr is None:
-            self.stderr = b"" if isinstance(self.stdout, bytes) else ""
+        self.stdout, self.stderr = _defaults(self.success, self.output, self.metadata, self.stdout, self.stderr)
 
     @property
     def returncode(self) -> int | None:
@@ -180,17 +173,11 @@ class ExecutionResult:
             rc = result.get("returncode")
             output = result.get("output", "")
             error = f"exit code {rc}" if rc not in (0, None) and tool == "bash" else None
-            self = _new(ExecutionResult)  # the fields in their order (the class's shared keys)
-            self.success = error is None  # (so no "reason": an error has an exit code here)
-            self.output = output
-            self.error = error
-            self.execution_id = execution_id
-            self.slot_id = slot_id
-            self.metadata = {"returncode": rc, "duration_s": result.get("duration_s", 0.0),
-                             "timed_out": False, "truncated": False}
-            self.stdout = output
-            self.stderr = b"" if isinstance(output, bytes) else ""
-            return self
+            # __post_init__ adds nothing here: an error has an exit code, so no "reason".
+            return _made(error is None, output, error, execution_id, slot_id,
+                         {"returncode": rc, "duration_s": result.get("duration_s", 0.0),
+                          "timed_out": False, "truncated": False},
+                         output, b"" if isinstance(output, bytes) else "")
         get = result.get
         rc = get("returncode")
         error = get("error")
@@ -212,24 +199,39 @@ class ExecutionResult:
         if cls is not ExecutionResult:
             return cls(success=success, output=output, error=error, execution_id=execution_id,
                        slot_id=slot_id, metadata=meta, stdout=stdout, stderr=stderr)
-        if meta.get("returncode") is None:  # __post_init__'s rules
-            meta.setdefault("returncode", None)
-            if not success:
-                meta.setdefault("reason", "not_run")
-        if stdout is None:
-            stdout = output
-        if stderr is None:
-            stderr = b"" if isinstance(stdout, bytes) else ""
-        self = _new(ExecutionResult)
-        self.success = success
-        self.output = output
-        self.error = error
-        self.execution_id = execution_id
-        self.slot_id = slot_id
-        self.metadata = meta
-        self.stdout = stdout
-        self.stderr = stderr
-        return self
+        stdout, stderr = _defaults(success, output, meta, stdout, stderr)
+        return _made(success, output, error, execution_id, slot_id, meta, stdout, stderr)
+
+
+def _defaults(success: bool, output: str, meta: dict[str, Any], stdout: str | bytes | None,
+              stderr: str | bytes | None) -> tuple[str | bytes, str | bytes]:
+    """``ExecutionResult.__post_init__``'s rules: ``meta`` given its ``returncode`` (and,
+    failed with none, ``reason: not_run``); ``(stdout, stderr)`` given their defaults."""
+    if meta.get("returncode") is None:
+        meta.setdefault("returncode", None)
+        if not success:
+            meta.setdefault("reason", "not_run")
+    if stdout is None:
+        stdout = output
+    if stderr is None:
+        stderr = b"" if isinstance(stdout, bytes) else ""
+    return stdout, stderr
+
+
+def _made(success: bool, output: str, error: str | None, execution_id: str, slot_id: str | None,
+          metadata: dict[str, Any], stdout: str | bytes, stderr: str | bytes) -> ExecutionResult:
+    """An ExecutionResult of these fields, made without the dataclass constructor (the
+    caller applied :func:`_defaults`): the fields set in their order on a bare instance."""
+    self = _new(ExecutionResult)
+    self.success = success
+    self.output = output
+    self.error = error
+    self.execution_id = execution_id
+    self.slot_id = slot_id
+    self.metadata = metadata
+    self.stdout = stdout
+    self.stderr = stderr
+    return self
 
 
 _new = object.__new__
