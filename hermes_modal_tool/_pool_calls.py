@@ -83,14 +83,9 @@ class PoolCalls:
         calls = []
         longest = 0.0
         dead = sb is None or sb.dead
-        executing = SlotState.EXECUTING
         for i, slot, tool, args, _ in items:
             rec = slot._sandbox
-            wait = timeout
-            if tool == "bash":
-                own = args.get("timeout")
-                if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
-                    wait = own if own <= MAX_CALL_TIMEOUT_S else math.inf  # as _prepare
+            wait = call_wait(tool, args, timeout)
             if (dead or type(rec) is not _Record or rec.holder is not slot or rec.lease != slot._lease
                     or wait > MAX_CALL_TIMEOUT_S):
                 refused = self._prepare(slot, tool, args, timeout_s)
@@ -102,10 +97,7 @@ class PoolCalls:
                 longest = wait
             calls.append([0, rec.index, tool, args if type(args) is dict else dict(args), timeout])
             members.append((i, slot, tool, rec))
-            rec.inflight += 1
-            counts = slot._calls
-            counts[tool] = counts.get(tool, 0) + 1
-            slot.state = executing
+            self._count(rec, slot, tool)
         if not members:
             return None
         group.wait_s = float(longest) + HOST_GRACE_S
@@ -119,12 +111,9 @@ class PoolCalls:
         slot's hold ended (:meth:`call_ended`), failures and timeouts counted."""
         ids = execution_ids(len(group.members))
         failures = timeouts = 0
-        executing, acquired = SlotState.EXECUTING, SlotState.ACQUIRED
         make = ExecutionResult.from_agent
         for (i, slot, tool, rec), outcome, eid in zip(group.members, group.outcomes, ids, strict=True):
-            rec.inflight -= 1  # call_ended, inline
-            if rec.inflight == 0 and rec.holder is slot and slot.state is executing:
-                slot.state = acquired
+            self.call_ended(rec, slot)
             if type(outcome) is dict:
                 result = make(outcome, slot.slot_id, eid, tool)
                 meta = result.metadata
@@ -157,11 +146,9 @@ class PoolCalls:
             return ExecutionResult.failure(f"sandbox {sb.sandbox_id} died: {sb.death_reason}", slot.slot_id,
                                            "sandbox_died")
         timeout = timeout_s if timeout_s is not None else self.config.execution_timeout_s
-        wait = timeout
-        own = args.get("timeout") if tool == "bash" else None
-        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
-            wait = own if own <= MAX_CALL_TIMEOUT_S else math.inf  # ints beyond float range too
+        wait = call_wait(tool, args, timeout)
         if wait > MAX_CALL_TIMEOUT_S:
+            own = args.get("timeout") if tool == "bash" else None
             return ExecutionResult.failure(
                 f"timeout {own if own is not None else wait!r:.40} s is longer than the "
                 f"{MAX_CALL_TIMEOUT_S:g} s maximum", slot.slot_id, "bad_request")
@@ -212,6 +199,15 @@ class PoolCalls:
         if result.metadata.get("timed_out"):
             self.stats["timeouts"] += 1
         return result
+
+
+def call_wait(tool: str, args: dict[str, Any], timeout: float) -> float:
+    """Seconds a call may run: a ``bash`` call's own positive ``timeout`` argument (inf
+    past :data:`MAX_CALL_TIMEOUT_S`, ints beyond float range too), else ``timeout``."""
+    own = args.get("timeout") if tool == "bash" else None
+    if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+        return own if own <= MAX_CALL_TIMEOUT_S else math.inf
+    return timeout
 
 
 def unsendable(slot: Slot, tool: str, args: dict[str, Any], exc: ProtocolError) -> ExecutionResult:

@@ -145,8 +145,7 @@ class Sandbox:
             if type(result) is not dict:
                 result = ValueError(f"sandbox {self.sandbox_id}: the agent's result of call {mid} is "
                                     f"not an object: {result!r:.80}")
-            if group.answer(mid, result) and group.timer is not None:  # _answer, inline
-                self._drop_deadline(group)
+            self._answer(group, mid, result)
 
     def _on_event(self, msg: dict[str, Any]) -> None:
         """``queued``: the call waits before it starts (no deadline meanwhile);
@@ -340,7 +339,7 @@ class Sandbox:
             return []
 
     def _answer(self, group: CallGroup, mid: int, outcome: Any) -> None:
-        if group.answer(mid, outcome) and group.timer is not None:
+        if group.answer(mid, outcome):
             self._drop_deadline(group)
 
     def _drop_deadline(self, group: CallGroup) -> None:
