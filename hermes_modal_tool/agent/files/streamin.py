@@ -32,7 +32,7 @@ class Upload(Stream):
         super().__init__(*args)
         self.items = queue.Queue()  # ("data", mid, blob) / ("end", mid) / ("abort", mid)
         self.error = None
-        self.taken = None  # the request(s) whose chunk is being written (unanswered)
+        self.taken = []  # the requests whose chunks are being written (unanswered)
         self.closing = None  # the end or abort request taken with the last chunks
         self.end_id = None  # the end request, once taken
         # Bytes of chunks answered on arrival (counted on the loop) and of those written
@@ -68,8 +68,8 @@ class Upload(Stream):
         if self.open_id is not None:  # refused before it started
             self.reply(self.open_id, error=self.error)
             return
-        taken, self.taken = self.taken, None
-        for mid in taken if isinstance(taken, list) else [] if taken is None else [taken]:
+        taken, self.taken = self.taken, []
+        for mid in taken:
             self.reply(mid, error=self.error)
         for mid in (self.end_id, self.closing):
             if mid is not None:  # the end (or the abort) was taken already
@@ -136,7 +136,7 @@ class Upload(Stream):
                 for _, _, blob in got:
                     self.digest.update(blob)  # hashed in its thread while written here
                 _write_all(fd, [blob for _, _, blob in got])
-                self.taken = None
+                self.taken = []
                 for _, mid, blob in got:
                     written += len(blob)
                     if mid is None:
@@ -233,9 +233,9 @@ class _ItemReader:
     def read(self, n=-1):
         stream = self.stream
         while not self.view:
-            if stream.taken is not None:
-                stream.reply(stream.taken, {"written": self.got})
-                stream.taken = None
+            for taken in stream.taken:
+                stream.reply(taken, {"written": self.got})
+            stream.taken = []
             if self.ended:
                 return b""
             kind, mid, blob = stream.items.get()
@@ -246,7 +246,7 @@ class _ItemReader:
                 self.ended = True
                 stream.end_id = mid
                 return b""
-            stream.taken = mid
+            stream.taken = [mid] if mid is not None else []
             self.view = memoryview(blob)
             stream.digest.update(blob)
             self.got += len(blob)
