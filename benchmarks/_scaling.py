@@ -198,10 +198,16 @@ def framing_us(n: int = 200, batch: int = 128) -> dict[str, float]:
 
 def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             timed: Callable[[str, Callable[[], Any]], Any], counts: Sequence[int] | None = None,
-            loop_names: Sequence[str] = ("asyncio", "uvloop")) -> dict[str, Any]:
+            loop_names: Sequence[str] = ("asyncio", "uvloop"),
+            host_processes: Sequence[int] = ()) -> dict[str, Any]:
     """Section s: for each sandbox count (``counts``, default :func:`sandbox_counts`) and
     each event loop of ``loop_names``, our calls/s and CPU per call by part, and the
-    raw-bash floor measured right after (ratio = ours / that floor)."""
+    raw-bash floor measured right after (ratio = ours / that floor); with
+    ``host_processes``, also the same sandboxes split over that many host processes, each
+    with a backend of its own (``_scaling_procs.py``; counts that split evenly only)."""
+    from _engine_backends import EXTRA, OWN_PATHS
+    from _scaling_procs import one_count_procs, splits
+
     rows: list[dict[str, Any]] = []
     for n in counts or sandbox_counts(max_sandboxes):
         mine = []
@@ -210,6 +216,12 @@ def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
                 f, one_count(slots, n, rounds, runs)))
             row["loop"] = name
             mine.append(row)
+            for k in splits(n, host_processes):
+                row = timed(f"s. ours {n} sandbox(es) in {k} host processes, {name}",
+                            lambda name=name, n=n, k=k: one_count_procs(slots, n, k, rounds, runs, name,
+                                                                        dict(EXTRA), OWN_PATHS))
+                row["loop"] = name
+                mine.append(row)
         # The floor does not depend on the sandbox count: measured again beside each, so
         # that a shared machine's load drifts over both alike.
         floor = timed(f"s. floor: {slots} raw bashes", lambda: raw_bash_throughput(slots, rounds * runs))
@@ -218,7 +230,8 @@ def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             row["ratio"] = row["calls_per_s"] / floor["calls_per_s"]
             row["floor_cpu_us_per_call"] = floor["cpu_us_per_call"]
             # Each row as soon as it is measured: a later count that fails loses none.
-            print(f"  .. s. row: {n} sandbox(es), {row['loop']}: {row['calls_per_s']:,.0f} calls/s, floor "
+            print(f"  .. s. row: {n} sandbox(es), {row.get('host_processes', 1)} host process(es), "
+                  f"{row['loop']}: {row['calls_per_s']:,.0f} calls/s, floor "
                   f"{floor['calls_per_s']:,.0f}, ratio {row['ratio']:.3f}", flush=True)
         rows += mine
     return {"slots": slots, "max_sandboxes": max(counts or [max_sandboxes]), "rounds": rounds, "runs": runs,
@@ -236,15 +249,18 @@ def render(sc: dict[str, Any]) -> str:
              f"{sc['runs']} runs of {sc['rounds']} rounds; nproc {sc['nproc']}, load average "
              f"{', '.join(f'{x:.2f}' for x in sc['loadavg'])} (at the end)",
              "",
-             "| sandboxes | loop | calls/s | raw-bash floor | ratio | host µs/call | agent µs/call | shell µs/call |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| sandboxes | host processes | loop | calls/s | raw-bash floor | ratio | host µs/call "
+             "| agent µs/call | shell µs/call |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     short = []
     for r in sc["rows"]:
         cpu = r["cpu_us_per_call"]
         parts = {p: sum(cpu.get(k, 0.0) for k in kinds) for p, kinds in PARTS}
-        lines.append(f"| {r['sandboxes']} | {r['loop']} | {r['calls_per_s']:,.0f} | {r['floor_calls_per_s']:,.0f} "
+        procs = r.get("host_processes", 1)
+        lines.append(f"| {r['sandboxes']} | {procs} | {r['loop']} | {r['calls_per_s']:,.0f} | {r['floor_calls_per_s']:,.0f} "
                      f"| {r['ratio']:.2f} | {parts['host']:.1f} | {parts['agent']:.1f} | {parts['shell']:.1f} |")
-        short.append({"sandboxes": r["sandboxes"], "loop": r["loop"], "calls_per_s": round(r["calls_per_s"]),
+        short.append({"sandboxes": r["sandboxes"], "host_processes": procs, "loop": r["loop"],
+                      "calls_per_s": round(r["calls_per_s"]),
                       "floor": round(r["floor_calls_per_s"]), "ratio": round(r["ratio"], 3),
                       "us_per_call": {p: round(v, 1) for p, v in parts.items()},
                       "wrong": r["wrong_outputs"]})

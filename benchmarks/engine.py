@@ -24,7 +24,9 @@ s. scaling (``_scaling.py``, not in the default set): ``--scale-slots`` slots ov
    ... sandboxes up to ``--max-sandboxes`` (default twice the CPUs), calls/s against as
    many raw bashes, the ratio, and the CPU per call by part, on the stdlib event loop and
    on uvloop when installed (``--counts 8,16`` for those sandbox counts only, ``--loops
-   asyncio`` for one loop).
+   asyncio`` for one loop); ``--host-processes 2,4`` adds rows with the same sandboxes
+   split over 2 and 4 host processes, each with a ``ToolBackend`` of its own
+   (``_scaling_procs.py``).
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
 persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
@@ -276,8 +278,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             streaming.measure(20 if q else 100, 100 if q else 300)))
     if "s" in sections:
         counts = [int(x) for x in args.counts.split(",")] if args.counts else None
+        procs = [int(x) for x in args.host_processes.split(",")] if args.host_processes else []
         res["scaling"] = scaling(args.scale_slots, args.max_sandboxes or default_max_sandboxes(),
-                                 10 if q else 50, 2 if q else 3, timed, counts, args.loops.split(","))
+                                 10 if q else 50, 2 if q else 3, timed, counts, args.loops.split(","), procs)
     res["cleanup"] = wait_clean()
     res["wall_s"] = perf() - t_start
     res["cpu_log"] = CPU_LOG
@@ -296,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="section s: the most sandboxes (default: twice the CPUs)")
     ap.add_argument("--counts", default=None, metavar="N,N,...",
                     help="section s: these sandbox counts instead of 1, 2, 4, ... --max-sandboxes")
+    ap.add_argument("--host-processes", default=None, metavar="K,K,...",
+                    help="section s: also split each sandbox count over K host processes, each with a "
+                         "ToolBackend of its own (counts K divides; _scaling_procs.py)")
     ap.add_argument("--loops", default="asyncio,uvloop", metavar="NAMES",
                     help="section s: the event loops to measure (default asyncio,uvloop: uvloop if installed)")
     ap.add_argument("--scale-slots", type=int, default=128, metavar="N",
