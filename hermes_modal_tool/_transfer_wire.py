@@ -110,6 +110,14 @@ async def _ask(sb: Sandbox, message: dict[str, Any], what: str) -> dict[str, Any
     return await sb.ask(message, CHUNK_WAIT_S, what, TransferError)
 
 
+def _put(sb: Sandbox, message: dict[str, Any], what: str) -> asyncio.Future[dict[str, Any]]:
+    """One chunk request of an upload, sent now: encoded, its ``blob`` copied out, before
+    this returns (so the blob's buffer may be used again: ``filetransfer._ReadBuffers``);
+    the future of its ``result``, as :func:`_ask` gives it."""
+    mid, fut = sb.submit(message, CHUNK_WAIT_S)
+    return asyncio.ensure_future(sb.answer(mid, fut, what, TransferError))
+
+
 async def _close(sb: Sandbox, op: str, sid: str) -> None:
     """Tell the agent the stream is over (it drops it); never raises."""
     try:
@@ -134,15 +142,16 @@ def _prefix_sha(fh: IO[bytes], n: int) -> hashlib._Hash:
     return digest
 
 
-async def _send(sb: Sandbox, sid: str, chunks: AsyncIterator[bytes], what: str) -> dict[str, Any]:
+async def _send(sb: Sandbox, sid: str, chunks: AsyncIterator[bytes | memoryview], what: str) -> dict[str, Any]:
     """Send ``chunks`` on upload stream ``sid``, at most :data:`DEPTH` unanswered; end it;
-    return the agent's last result. The stream is closed on failure."""
+    return the agent's last result. The stream is closed on failure. Each chunk is
+    encoded before the next is taken, so a chunk may be a view of a buffer that the
+    chunks' producer fills again once the next one is asked for."""
     inflight: deque[asyncio.Future] = deque()
     ok = False
     try:
         async for chunk in chunks:
-            inflight.append(asyncio.ensure_future(
-                _ask(sb, {"op": "upload", "stream": sid, "blob": chunk}, what)))
+            inflight.append(_put(sb, {"op": "upload", "stream": sid, "blob": chunk}, what))
             if len(inflight) >= DEPTH:
                 await inflight.popleft()
         while inflight:

@@ -62,7 +62,7 @@ from ._transfer_wire import (
     _send,
     _where,
 )
-from .agent.files.hashthread import HashThread, Inline, hasher
+from .agent.files.hashthread import AHEAD, HashThread, Inline, hasher
 from .errors import TransferError, UsageError
 from .slots import Slot
 
@@ -72,25 +72,69 @@ if TYPE_CHECKING:
     from ._backend_view import BackendView
     from .sandbox import Sandbox
 
-async def _file_chunks(fh: IO[bytes], digest: HashThread | Inline, sent: list[int]) -> AsyncIterator[bytes]:
+class _ReadBuffers:
+    """The buffers an upload reads its file into, used again and again: a ring of
+    ``size`` buffers of :data:`CHUNK_BYTES`, each made when first needed (a small file
+    takes one). A fresh ``bytes`` per chunk, made in a worker thread, came from memory
+    that thread's malloc arena gave back to the kernel when the chunks were freed on the
+    loop: each chunk's pages were faulted in anew (240 faults per MiB, about a third of
+    the host's CPU per MiB of an upload on the 2-core machine; ``benchmarks/transfer.py``)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.bufs: list[bytearray] = []
+        self.taken = 0
+
+    def next(self) -> bytearray:
+        """The next buffer of the ring (made if new)."""
+        i = self.taken % self.size
+        self.taken += 1
+        if i == len(self.bufs):
+            self.bufs.append(bytearray(CHUNK_BYTES))
+        return self.bufs[i]
+
+
+def _read_chunk(fh: IO[bytes], ring: _ReadBuffers | None) -> bytes | memoryview:
+    """The next chunk of ``fh`` (empty at its end): read into ``ring``'s next buffer, or,
+    ``ring`` None (a file object without ``readinto``), a ``bytes`` of its own."""
+    if ring is not None:
+        buf = ring.next()
+        n = fh.readinto(buf)
+        return memoryview(buf)[:n] if n else b""
+    piece = fh.read(CHUNK_BYTES)
+    if piece and not isinstance(piece, bytes):  # a caller's object that may reuse its buffer
+        piece = bytes(piece)
+    return piece or b""
+
+
+async def _file_chunks(fh: IO[bytes], digest: HashThread | Inline,
+                       sent: list[int]) -> AsyncIterator[bytes | memoryview]:
     """The rest of ``fh`` in chunks of :data:`CHUNK_BYTES`, read in worker threads
     :data:`~._transfer_wire.READ_BATCH` chunks per hand-off (one thread hop per batch, not
     per chunk) and hashed in ``digest``'s own thread meanwhile, the next batch read while
     this one is sent: at most two batches held besides the window (and the chunks the hash
-    thread holds, ``agent/files/hashthread.AHEAD``)."""
-    def next_batch() -> list[bytes]:
-        batch: list[bytes] = []
+    thread holds, ``agent/files/hashthread.AHEAD``).
+
+    The chunks are views of :class:`_ReadBuffers`: a chunk's buffer is read into again two
+    batches later, once the consumer has taken every chunk of the batch between (it must
+    be done with a chunk when it asks for the next: ``_transfer_wire._send`` encodes each
+    before), and, with a hash thread, once that thread is past it (it holds at most
+    ``AHEAD`` chunks, so the ring has that many buffers more)."""
+    ring = None
+    if callable(getattr(fh, "readinto", None)):
+        ring = _ReadBuffers(2 * wire.READ_BATCH + (AHEAD if isinstance(digest, HashThread) else 0))
+
+    def next_batch() -> list[bytes | memoryview]:
+        batch: list[bytes | memoryview] = []
         for _ in range(wire.READ_BATCH):
-            piece = fh.read(CHUNK_BYTES)
+            piece = _read_chunk(fh, ring)
             if not piece:
                 break
-            if not isinstance(piece, bytes):  # a caller's object that may reuse its buffer
-                piece = bytes(piece)
             digest.update(piece)
             batch.append(piece)
         return batch
 
-    ahead: asyncio.Future[list[bytes]] | None = asyncio.ensure_future(asyncio.to_thread(next_batch))
+    ahead: asyncio.Future[list[bytes | memoryview]] | None = asyncio.ensure_future(asyncio.to_thread(next_batch))
     try:
         while ahead is not None:
             batch = await ahead

@@ -410,8 +410,26 @@ class Sandbox:
             error: the agent refused the request, did not answer within ``wait_s``
                 seconds, or the sandbox died.
         """
+        mid, fut = self.submit(message, wait_s)
+        return await self.answer(mid, fut, what, error)
+
+    async def answer(self, mid: int, fut: asyncio.Future, what: str,
+                     error: type[Exception]) -> dict[str, Any]:
+        """The reply of request ``mid`` (``fut``, both from :meth:`submit`), unwrapped as
+        :meth:`ask` does; cancelled, it cancels the request. :meth:`submit` then this:
+        the message is encoded (a ``blob`` copied out) before the caller goes on, so the
+        caller may reuse the blob's buffer at once (an upload's read buffers).
+
+        Raises:
+            error: the agent refused the request, did not answer in time, or the
+                sandbox died.
+        """
         try:
-            reply = await self.request(message, wait_s)
+            try:
+                reply = await fut
+            except asyncio.CancelledError:
+                self.cancel(mid)
+                raise
         except SandboxError as exc:
             raise error(f"{what}: {exc}") from None
         if not reply.get("ok"):

@@ -5,6 +5,7 @@ that differs is sent again (never kept by its name or size alone)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import os
@@ -59,19 +60,32 @@ async def slot_tree(backend, slot, remote: str) -> dict[str, tuple[str, int]]:
 
 def cut_after(monkeypatch, requests: int, **match: object) -> None:
     """The link fails at the ``requests``-th chunk request matching ``match`` (a transfer
-    cut off midway, as a dropped connection or a cancelled caller leaves it)."""
-    real = _transfer_wire._ask
+    cut off midway, as a dropped connection or a cancelled caller leaves it): a download's
+    chunk requests go through ``_transfer_wire._ask``, an upload's through ``_put``."""
+    real_ask, real_put = _transfer_wire._ask, _transfer_wire._put
     seen = [0]
 
-    async def ask(sb, message, what):
+    def cut(message) -> bool:
         if all(message.get(k) == v for k, v in match.items()) and "stream" in message \
                 and not message.get("abort") and not message.get("end"):
             seen[0] += 1
-            if seen[0] >= requests:
-                raise TransferError("the link was cut (test)")
-        return await real(sb, message, what)
+            return seen[0] >= requests
+        return False
+
+    async def ask(sb, message, what):
+        if cut(message):
+            raise TransferError("the link was cut (test)")
+        return await real_ask(sb, message, what)
+
+    def put(sb, message, what):
+        if cut(message):
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(TransferError("the link was cut (test)"))
+            return fut
+        return real_put(sb, message, what)
 
     monkeypatch.setattr(_transfer_wire, "_ask", ask)
+    monkeypatch.setattr(_transfer_wire, "_put", put)
 
 
 async def test_an_interrupted_directory_upload_resumes(make_backend, tmp_path, monkeypatch):
