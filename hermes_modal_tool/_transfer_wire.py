@@ -87,6 +87,30 @@ class Transfer:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
+class ChunkRing:
+    """The buffers an upload's chunks are made in, used again and again: a ring of
+    ``size`` buffers of ``chunk_bytes``, each made when first needed (a small file takes
+    one). The chunks a worker thread made as fresh ``bytes`` came from memory that the
+    thread's malloc arena gave back to the kernel when the loop freed them, so each
+    chunk's pages were faulted in anew: 240 page faults per MiB, a quarter of the host's
+    CPU per MiB of an upload on the 2-core machine (``benchmarks/transfer.py``). The
+    user of a ring fills a buffer again only once what was sent of it is encoded
+    (:func:`_put`) and hashed."""
+
+    def __init__(self, size: int, chunk_bytes: int) -> None:
+        self.size, self.chunk_bytes = size, chunk_bytes
+        self.bufs: list[bytearray] = []
+        self.taken = 0
+
+    def next(self) -> bytearray:
+        """The next buffer of the ring (made if new)."""
+        i = self.taken % self.size
+        self.taken += 1
+        if i == len(self.bufs):
+            self.bufs.append(bytearray(self.chunk_bytes))
+        return self.bufs[i]
+
+
 def hash_thread_field() -> dict[str, bool]:
     """The ``hash_thread`` field of a file stream's opening request (:data:`HASH_THREAD`;
     none when it is None: the agent decides)."""
@@ -112,7 +136,7 @@ async def _ask(sb: Sandbox, message: dict[str, Any], what: str) -> dict[str, Any
 
 def _put(sb: Sandbox, message: dict[str, Any], what: str) -> asyncio.Future[dict[str, Any]]:
     """One chunk request of an upload, sent now: encoded, its ``blob`` copied out, before
-    this returns (so the blob's buffer may be used again: ``filetransfer._ReadBuffers``);
+    this returns (so the blob's buffer may be used again: :class:`ChunkRing`);
     the future of its ``result``, as :func:`_ask` gives it."""
     mid, fut = sb.submit(message, CHUNK_WAIT_S)
     return asyncio.ensure_future(sb.answer(mid, fut, what, TransferError))

@@ -53,6 +53,7 @@ from ._transfer_tree import download_tree, upload_tar_stream, upload_tree
 from ._transfer_wire import (
     CHUNK_BYTES,
     DEPTH,
+    ChunkRing,
     Transfer,
     _ask,
     _close,
@@ -72,29 +73,8 @@ if TYPE_CHECKING:
     from ._backend_view import BackendView
     from .sandbox import Sandbox
 
-class _ReadBuffers:
-    """The buffers an upload reads its file into, used again and again: a ring of
-    ``size`` buffers of :data:`CHUNK_BYTES`, each made when first needed (a small file
-    takes one). A fresh ``bytes`` per chunk, made in a worker thread, came from memory
-    that thread's malloc arena gave back to the kernel when the chunks were freed on the
-    loop: each chunk's pages were faulted in anew (240 faults per MiB, about a third of
-    the host's CPU per MiB of an upload on the 2-core machine; ``benchmarks/transfer.py``)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.bufs: list[bytearray] = []
-        self.taken = 0
-
-    def next(self) -> bytearray:
-        """The next buffer of the ring (made if new)."""
-        i = self.taken % self.size
-        self.taken += 1
-        if i == len(self.bufs):
-            self.bufs.append(bytearray(CHUNK_BYTES))
-        return self.bufs[i]
-
-
-def _read_chunk(fh: IO[bytes], ring: _ReadBuffers | None) -> bytes | memoryview:
+def _read_chunk(fh: IO[bytes], ring: ChunkRing | None) -> bytes | memoryview:
     """The next chunk of ``fh`` (empty at its end): read into ``ring``'s next buffer, or,
     ``ring`` None (a file object without ``readinto``), a ``bytes`` of its own."""
     if ring is not None:
@@ -115,14 +95,16 @@ async def _file_chunks(fh: IO[bytes], digest: HashThread | Inline,
     this one is sent: at most two batches held besides the window (and the chunks the hash
     thread holds, ``agent/files/hashthread.AHEAD``).
 
-    The chunks are views of :class:`_ReadBuffers`: a chunk's buffer is read into again two
-    batches later, once the consumer has taken every chunk of the batch between (it must
-    be done with a chunk when it asks for the next: ``_transfer_wire._send`` encodes each
-    before), and, with a hash thread, once that thread is past it (it holds at most
-    ``AHEAD`` chunks, so the ring has that many buffers more)."""
+    The chunks are views of a :class:`~._transfer_wire.ChunkRing` (a fresh ``bytes`` per
+    chunk made in a worker thread cost 240 page faults per MiB): a chunk's buffer is read
+    into again two batches later, once the consumer has taken every chunk of the batch
+    between (it must be done with a chunk when it asks for the next:
+    ``_transfer_wire._send`` encodes each before), and, with a hash thread, once that
+    thread is past it (it holds at most ``AHEAD`` chunks, so the ring has that many
+    buffers more)."""
     ring = None
     if callable(getattr(fh, "readinto", None)):
-        ring = _ReadBuffers(2 * wire.READ_BATCH + (AHEAD if isinstance(digest, HashThread) else 0))
+        ring = ChunkRing(2 * wire.READ_BATCH + (AHEAD if isinstance(digest, HashThread) else 0), CHUNK_BYTES)
 
     def next_batch() -> list[bytes | memoryview]:
         batch: list[bytes | memoryview] = []

@@ -1,5 +1,5 @@
 """An upload reads its file into a ring of buffers used again and again
-(``filetransfer._ReadBuffers``), not into a fresh ``bytes`` per chunk: a chunk's buffer is
+(``_transfer_wire.ChunkRing``), not into a fresh ``bytes`` per chunk: a chunk's buffer is
 read into again only once the sender has encoded that chunk and, with a hash thread,
 once the thread has hashed it. Checked here on the chunks as the sender takes them
 (each copied at once: a buffer filled again too early shows as other bytes) and end to
@@ -29,9 +29,9 @@ def small_chunks(monkeypatch):
 
 
 async def take_all(fh, digest) -> tuple[list[bytes], set[int], int]:
-    """Every chunk of ``fh`` as the sender takes it (copied at once, with a pass of the
-    event loop between chunks so the reader thread runs ahead meanwhile), the buffers
-    the chunks were views of, and the bytes counted as sent."""
+    """Every chunk of ``fh`` as the sender takes it (copied at once, a millisecond between
+    chunks so that the reader thread runs as far ahead as it may), the buffers the chunks
+    were views of, and the bytes counted as sent."""
     sent = [0]
     seen: list[bytes] = []
     buffers: set[int] = set()
@@ -39,7 +39,7 @@ async def take_all(fh, digest) -> tuple[list[bytes], set[int], int]:
         seen.append(bytes(piece))
         if isinstance(piece, memoryview):
             buffers.add(id(piece.obj))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
     return seen, buffers, sent[0]
 
 
@@ -115,3 +115,4 @@ async def test_the_sender_is_done_with_a_chunk_when_it_takes_the_next(make_backe
     assert done.size == len(data) and done.sha256 == hashlib.sha256(data).hexdigest()
     r = await bash(backend, slot, "sha256sum one.bin | cut -c1-64")
     assert r.output.strip() == done.sha256
+
