@@ -110,6 +110,13 @@ class ChunkRing:
             self.bufs.append(bytearray(self.chunk_bytes))
         return self.bufs[i]
 
+    def give_back(self) -> None:
+        """Take back the last :meth:`next` (its read found the end of the file): the next
+        one gives the same buffer, and a buffer that call made is let go."""
+        self.taken -= 1
+        if len(self.bufs) > self.taken:
+            self.bufs.pop()
+
 
 def hash_thread_field() -> dict[str, bool]:
     """The ``hash_thread`` field of a file stream's opening request (:data:`HASH_THREAD`;

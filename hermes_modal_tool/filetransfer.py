@@ -80,7 +80,10 @@ def _read_chunk(fh: IO[bytes], ring: ChunkRing | None) -> bytes | memoryview:
     if ring is not None:
         buf = ring.next()
         n = fh.readinto(buf)
-        return memoryview(buf)[:n] if n else b""
+        if not n:
+            ring.give_back()
+            return b""
+        return memoryview(buf)[:n]
     piece = fh.read(CHUNK_BYTES)
     if piece and not isinstance(piece, bytes):  # a caller's object that may reuse its buffer
         piece = bytes(piece)

@@ -59,9 +59,22 @@ async def test_chunks_come_from_a_ring_of_buffers_and_arrive_intact(small_chunks
     assert len(buffers) == 2 * _transfer_wire.READ_BATCH + (AHEAD if threaded else 0)
 
 
-async def test_a_small_file_takes_one_buffer(small_chunks):
-    seen, buffers, _ = await take_all(io.BytesIO(b"x" * 100), Inline())
-    assert seen == [b"x" * 100] and len(buffers) == 1
+@pytest.mark.parametrize(("size", "made"), [(100, 1), (CHUNK, 1), (3 * CHUNK, 3), (8 * CHUNK, 8),
+                                            (30 * CHUNK, 8)])
+async def test_a_ring_makes_only_the_buffers_a_file_needs(small_chunks, monkeypatch, size, made):
+    """The read that finds the end of the file gives its buffer back (one made for it
+    is let go): a small file holds one buffer, a long one the ring's eight."""
+    rings = []
+
+    class Watched(_transfer_wire.ChunkRing):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            rings.append(self)
+
+    monkeypatch.setattr(filetransfer, "ChunkRing", Watched)
+    data = os.urandom(size)
+    seen, _, _ = await take_all(io.BytesIO(data), Inline())
+    assert b"".join(seen) == data and [len(r.bufs) for r in rings] == [made]
 
 
 async def test_a_file_object_without_readinto_gives_bytes_of_its_own(small_chunks):
