@@ -395,6 +395,11 @@ class Sandbox:
 
     async def request(self, message: dict[str, Any], wait_s: float) -> dict[str, Any]:
         mid, fut = self.submit(message, wait_s)
+        return await self.reply(mid, fut)
+
+    async def reply(self, mid: int, fut: asyncio.Future) -> dict[str, Any]:
+        """The reply of request ``mid`` (``fut``, both from :meth:`submit`); cancelled, it
+        cancels the request."""
         try:
             return await fut
         except asyncio.CancelledError:
@@ -415,28 +420,24 @@ class Sandbox:
 
     async def answer(self, mid: int, fut: asyncio.Future, what: str,
                      error: type[Exception]) -> dict[str, Any]:
-        """The reply of request ``mid`` (``fut``, both from :meth:`submit`), unwrapped as
-        :meth:`ask` does; cancelled, it cancels the request. :meth:`submit` then this:
-        the message is encoded (a ``blob`` copied out) before the caller goes on, so the
-        caller may reuse the blob's buffer at once (an upload's read buffers).
+        """The :meth:`reply` of request ``mid`` (``fut``, both from :meth:`submit`),
+        unwrapped as :meth:`ask` does. :meth:`submit` then this: the message is encoded (a
+        ``blob`` copied out) before the caller goes on, so the caller may reuse the blob's
+        buffer at once (an upload's read buffers).
 
         Raises:
             error: the agent refused the request, did not answer in time, or the
                 sandbox died.
         """
         try:
-            try:
-                reply = await fut
-            except asyncio.CancelledError:
-                self.cancel(mid)
-                raise
+            got = await self.reply(mid, fut)
         except SandboxError as exc:
             raise error(f"{what}: {exc}") from None
-        if not reply.get("ok"):
-            raise error(f"{what}: {reply.get('error')}")
-        result = reply.get("result") or {}
-        if "blob" in reply:
-            result["blob"] = reply["blob"]
+        if not got.get("ok"):
+            raise error(f"{what}: {got.get('error')}")
+        result = got.get("result") or {}
+        if "blob" in got:
+            result["blob"] = got["blob"]
         return result
 
     # -- shutdown ------------------------------------------------------------
