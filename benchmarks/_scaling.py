@@ -20,11 +20,12 @@ event loop, the pool, the batch's bookkeeping).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from _engine_backends import cfg, started
@@ -121,10 +122,12 @@ async def agents_quiet(since: float, limit_s: float = 30.0, window_s: float = 0.
     return perf() - t0
 
 
-async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[str, Any]:
-    """``runs`` runs of ``rounds`` rounds of ``echo i`` over ``slots`` slots spread evenly
-    over ``sandboxes`` sandboxes: calls/s of the median run and CPU µs per call by process
-    kind over all runs."""
+@contextlib.asynccontextmanager
+async def held_slots(slots: int, sandboxes: int) -> AsyncIterator[tuple[Any, list[Any], float]]:
+    """A started backend of ``sandboxes`` sandboxes with ``slots`` slots held, spread
+    evenly over them (checked), warm and its agents quiet: ``(backend, the slots, the
+    seconds waited for the agents)``; the slots released and the backend stopped after.
+    ``one_count`` and each host process of ``_scaling_procs.py``."""
     per = -(-slots // sandboxes)
     b = await started(cfg(slots_per_sandbox=per, min_sandboxes=sandboxes, max_sandboxes=sandboxes,
                           scale_down_idle=False))
@@ -136,9 +139,32 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
         assert len(counts) == min(sandboxes, slots) and counts[-1] - counts[0] <= 1, counts
         t_warm = perf()
         await warm_up(b, use)
-        settled_s = await agents_quiet(t_warm)
-        walls, wrong = [], 0
-        cpu: dict[str, float] = {}
+        yield b, use, await agents_quiet(t_warm)
+        for s in use:
+            await b.release(s)
+    finally:
+        await b.stop()
+
+
+def row(sandboxes: int, slots: int, rounds: int, walls: list[float], wrong: int, settle_s: float,
+        cpu: dict[str, float]) -> dict[str, Any]:
+    """A row of the section: calls/s of the median of the runs (``walls``, seconds each)
+    and CPU µs per call by process kind over all runs (``cpu``, seconds)."""
+    calls = slots * rounds
+    median = sorted(walls)[len(walls) // 2]
+    per_call = {k: v / (calls * len(walls)) * 1e6 for k, v in cpu.items() if v > 0}
+    return {"sandboxes": sandboxes, "slots": slots, "calls_per_s": calls / median,
+            "runs_calls_per_s": [calls / w for w in walls], "wrong_outputs": wrong, "settle_s": settle_s,
+            "cpu_us_per_call": per_call}
+
+
+async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[str, Any]:
+    """``runs`` runs of ``rounds`` rounds of ``echo i`` over ``slots`` slots spread evenly
+    over ``sandboxes`` sandboxes: calls/s of the median run and CPU µs per call by process
+    kind over all runs."""
+    walls, wrong = [], 0
+    cpu: dict[str, float] = {}
+    async with held_slots(slots, sandboxes) as (b, use, settled_s):
         for _ in range(runs):
             c0 = cpu_by_kind()
             wall, bad = await echo_rounds(b, use, rounds)
@@ -146,16 +172,7 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
                 cpu[k] = cpu.get(k, 0.0) + v - c0.get(k, 0.0)
             walls.append(wall)
             wrong += bad
-        for s in use:
-            await b.release(s)
-    finally:
-        await b.stop()
-    calls = slots * rounds
-    median = sorted(walls)[len(walls) // 2]
-    per_call = {k: v / (calls * runs) * 1e6 for k, v in cpu.items() if v > 0}
-    return {"sandboxes": sandboxes, "slots": slots, "calls_per_s": calls / median,
-            "runs_calls_per_s": [calls / w for w in walls], "wrong_outputs": wrong, "settle_s": settled_s,
-            "cpu_us_per_call": per_call}
+    return row(sandboxes, slots, rounds, walls, wrong, settled_s, cpu)
 
 
 def framing_us(n: int = 200, batch: int = 128) -> dict[str, float]:

@@ -63,7 +63,7 @@ def one_count_procs(slots: int, sandboxes: int, processes: int, rounds: int, run
     split evenly over ``processes`` host processes: a row as ``_scaling.one_count`` makes
     it, with ``host_processes``. ``own_paths`` gets the children's state directories (the
     run's leak check)."""
-    from _scaling import cpu_by_kind
+    from _scaling import cpu_by_kind, row
 
     share = {"slots": slots // processes, "sandboxes": sandboxes // processes, "rounds": rounds,
              "loop": loop_name, "extra": extra}
@@ -108,39 +108,23 @@ def one_count_procs(slots: int, sandboxes: int, processes: int, rounds: int, run
             err.close()
     cpu.pop("host", None)  # this process only waits; the hosts are the children
     cpu["host"] = cpu.pop("hmt-host", 0.0)
-    calls = slots * rounds
-    median = sorted(walls)[len(walls) // 2]
-    return {"sandboxes": sandboxes, "slots": slots, "host_processes": processes,
-            "calls_per_s": calls / median, "runs_calls_per_s": [calls / w for w in walls],
-            "wrong_outputs": wrong, "settle_s": settle,
-            "cpu_us_per_call": {k: v / (calls * runs) * 1e6 for k, v in cpu.items() if v > 0}}
+    return {**row(sandboxes, slots, rounds, walls, wrong, settle, cpu), "host_processes": processes}
 
 
 async def _child(share: dict[str, Any]) -> None:
     """One host process: its backend and slots, then a run of rounds per ``go`` line."""
     import _engine_backends
-    from _rounds import echo_rounds, warm_up
-    from _scaling import agents_quiet
+    from _rounds import echo_rounds
+    from _scaling import held_slots
 
     _engine_backends.EXTRA.update(share["extra"])
-    n, per_sb = share["slots"], -(-share["slots"] // share["sandboxes"])
-    b = await _engine_backends.started(_engine_backends.cfg(
-        slots_per_sandbox=per_sb, min_sandboxes=share["sandboxes"], max_sandboxes=share["sandboxes"],
-        scale_down_idle=False))
     loop = asyncio.get_running_loop()
-    try:
-        use = [await b.acquire(f"sc-{i}") for i in range(n)]
-        t_warm = time.perf_counter()
-        await warm_up(b, use)
-        print(json.dumps({"settle_s": await agents_quiet(t_warm)}), flush=True)
+    async with held_slots(share["slots"], share["sandboxes"]) as (b, use, settle_s):
+        print(json.dumps({"settle_s": settle_s}), flush=True)
         while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
             t0 = time.perf_counter()
             _wall, wrong = await echo_rounds(b, use, share["rounds"])
             print(json.dumps({"t0": t0, "t1": time.perf_counter(), "wrong": wrong}), flush=True)
-        for s in use:
-            await b.release(s)
-    finally:
-        await b.stop()
     print(json.dumps({"own_paths": _engine_backends.OWN_PATHS}), flush=True)
 
 
