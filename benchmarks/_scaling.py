@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -162,17 +163,22 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
     """``runs`` runs of ``rounds`` rounds of ``echo i`` over ``slots`` slots spread evenly
     over ``sandboxes`` sandboxes: calls/s of the median run and CPU µs per call by process
     kind over all runs."""
-    walls, wrong = [], 0
+    walls, wrong, sleeps = [], 0, 0
     cpu: dict[str, float] = {}
     async with held_slots(slots, sandboxes) as (b, use, settled_s):
         for _ in range(runs):
-            c0 = cpu_by_kind()
+            c0, s0 = cpu_by_kind(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
             wall, bad = await echo_rounds(b, use, rounds)
+            sleeps += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - s0
             for k, v in cpu_by_kind().items():
                 cpu[k] = cpu.get(k, 0.0) + v - c0.get(k, 0.0)
             walls.append(wall)
             wrong += bad
-    return row(sandboxes, slots, rounds, walls, wrong, settled_s, cpu)
+    # The host's sleeps (voluntary context switches: its loop waited for replies) per
+    # round: a reply that comes apart from the others costs the host a wake-up, and its
+    # CPU per call doubles when they do (``host_calls.py --pipes --spread-ms``).
+    return {**row(sandboxes, slots, rounds, walls, wrong, settled_s, cpu),
+            "host_sleeps_per_round": sleeps / (rounds * runs)}
 
 
 def framing_us(n: int = 200, batch: int = 128) -> dict[str, float]:
@@ -267,19 +273,22 @@ def render(sc: dict[str, Any]) -> str:
              f"{', '.join(f'{x:.2f}' for x in sc['loadavg'])} (at the end)",
              "",
              "| sandboxes | host processes | loop | calls/s | raw-bash floor | ratio | host µs/call "
-             "| agent µs/call | shell µs/call |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| agent µs/call | shell µs/call | host sleeps/round |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     short = []
     for r in sc["rows"]:
         cpu = r["cpu_us_per_call"]
         parts = {p: sum(cpu.get(k, 0.0) for k in kinds) for p, kinds in PARTS}
         procs = r.get("host_processes", 1)
+        sleeps = r.get("host_sleeps_per_round")
         lines.append(f"| {r['sandboxes']} | {procs} | {r['loop']} | {r['calls_per_s']:,.0f} | {r['floor_calls_per_s']:,.0f} "
-                     f"| {r['ratio']:.2f} | {parts['host']:.1f} | {parts['agent']:.1f} | {parts['shell']:.1f} |")
+                     f"| {r['ratio']:.2f} | {parts['host']:.1f} | {parts['agent']:.1f} | {parts['shell']:.1f} "
+                     f"| {'-' if sleeps is None else f'{sleeps:.1f}'} |")
         short.append({"sandboxes": r["sandboxes"], "host_processes": procs, "loop": r["loop"],
                       "calls_per_s": round(r["calls_per_s"]),
                       "floor": round(r["floor_calls_per_s"]), "ratio": round(r["ratio"], 3),
                       "us_per_call": {p: round(v, 1) for p, v in parts.items()},
+                      "host_sleeps_per_round": None if sleeps is None else round(sleeps, 1),
                       "wrong": r["wrong_outputs"]})
     lines.append("")
     lines.append(f"host frame work alone: encode a request {fr['encode_request']:.1f} µs, decode a reply and "
