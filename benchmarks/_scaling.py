@@ -176,7 +176,7 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
             wrong += bad
     # The host's sleeps (voluntary context switches: its loop waited for replies) per
     # round: replies that come apart in time cost the host a wake-up each, and it spends
-    # 40-50% more CPU per call when they do (``host_calls.py --pipes --spread-ms``).
+    # about 40% more CPU per call when they do (``host_calls.py --pipes --spread-ms``).
     return {**row(sandboxes, slots, rounds, walls, wrong, settled_s, cpu),
             "host_sleeps_per_round": sleeps / (rounds * runs)}
 
