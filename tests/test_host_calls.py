@@ -5,7 +5,6 @@ responder that answers the wrong output fails the run (the benchmark's own check
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -13,21 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import processes
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 SMALL = ["--sandboxes", "2", "--slots", "4", "--seconds", "0.3", "--runs", "1"]
 
 
-def _responders() -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"_responder.py" in fh.read():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
+def _responders() -> set[int]:
+    """Pids of live responder processes (``support.processes``: zombies left out)."""
+    return {p.pid for p in processes().values() if b"_responder.py" in p.cmdline}
 
 
 def _run(bench: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -38,7 +31,7 @@ def _run(bench: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("extra", [(), ("--pipes",), ("--pipes", "--parts", "2", "--spread-ms", "1")],
                          ids=["in-process", "pipes", "pipes-spread"])
 def test_host_calls_runs_and_leaves_no_responder(extra):
-    before = set(_responders())
+    before = _responders()
     proc = _run(BENCH, *extra)
     output = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0, output
@@ -50,7 +43,7 @@ def test_host_calls_runs_and_leaves_no_responder(extra):
         assert sleeps >= 0, line
         assert "responder processes over pipes" in line, line
     assert re.search(r"^HOST_CALLS_US \d+\.\d+$", proc.stdout, re.M), output
-    assert set(_responders()) <= before, "a responder process was left running"
+    assert _responders() <= before, "a responder process was left running"
 
 
 def test_a_responder_with_the_wrong_output_fails_the_run(tmp_path):
@@ -59,8 +52,8 @@ def test_a_responder_with_the_wrong_output_fails_the_run(tmp_path):
     src = (bench / "_responder.py").read_text()
     assert '[5:] + "\\n"' in src
     (bench / "_responder.py").write_text(src.replace('[5:] + "\\n"', '[5:] + "x\\n"'))
-    before = set(_responders())
+    before = _responders()
     proc = _run(bench, "--pipes")
     assert proc.returncode != 0, proc.stdout
     assert "AssertionError" in proc.stderr, proc.stderr[-3000:]
-    assert set(_responders()) <= before, "the failed run left a responder process running"
+    assert _responders() <= before, "the failed run left a responder process running"
