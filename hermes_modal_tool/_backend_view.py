@@ -23,6 +23,7 @@ class BackendView(Protocol):
 
     profiles: dict[str, SandboxConfig]
     _pools: dict[str, SandboxPool]
+    _id_tag: str
 
     def profile(self, name: str | None = None) -> SandboxConfig: ...
 

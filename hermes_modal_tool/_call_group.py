@@ -22,10 +22,12 @@ answering, not a call's timeout (the agent enforces that), one per group is enou
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import tracing
+from .errors import UsageError
+from .slots import ExecutionResult, Slot
 
 
 class Reply:
@@ -90,6 +92,34 @@ class CallGroup:
         """The ids of the calls with no outcome yet, last added first."""
         first, outcomes = self.first, self.outcomes
         return [first + pos for pos in range(len(outcomes) - 1, -1, -1) if outcomes[pos] is None]
+
+
+def parse_request(i: int, req: Any) -> tuple[Slot, str, Mapping[str, Any]] | ExecutionResult:
+    """Request ``i`` of a batch as ``(slot, tool, args)``, or the failed result that refuses
+    it (``reason="bad_request"``, naming what is wrong) when it is not one."""
+    try:
+        slot, tool, args = req
+    except (TypeError, ValueError):
+        return _bad_request(f"request {i}: expected (slot, tool, args), got {req!r:.200}")
+    if not isinstance(slot, Slot):
+        return _bad_request(f"request {i}: expected a Slot, got {type(slot).__name__}")
+    if not isinstance(tool, str):
+        return _bad_request(f"request {i}: tool must be a string, got {tool!r:.100}", slot.slot_id)
+    if type(args) is not dict and not isinstance(args, Mapping):  # the ABC check costs ~1 µs
+        return _bad_request(f"request {i}: args must be a dict, got {type(args).__name__}", slot.slot_id)
+    return slot, tool, args
+
+
+def check_timeout(timeout_s: Any) -> None:
+    """Raises UsageError unless ``timeout_s`` is None or a positive number of seconds."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+
+def _bad_request(error: str, slot_id: str | None = None) -> ExecutionResult:
+    """A request refused before anything ran (``metadata["reason"] == "bad_request"``)."""
+    return ExecutionResult.failure(error, slot_id, "bad_request")
 
 
 async def execute_grouped(by_sandbox: dict[Any, list[tuple]], results: list[Any], timeout_s: float | None,

@@ -27,7 +27,7 @@ from typing import Any
 from . import streaming, tracing
 from ._artifact_api import ArtifactMethods
 from ._call_api import CallMethods
-from ._call_group import execute_grouped, gather_outcomes
+from ._call_group import check_timeout, execute_grouped, gather_outcomes, parse_request
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -63,7 +63,25 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         driver_options: options per driver name, e.g. ``{"local": {"state_root": path},
             "modal": {"create_rate": 10, "max_starting": 8}}`` (see ``LocalDriver`` and
             ``ModalDriver``).
+        host_processes: K > 1 spreads each profile's sandboxes over K host processes
+            (each its own event loop on its own core, owning its share of ``min_sandboxes``
+            and ``max_sandboxes``) behind this same API; 1 (default): all in this process.
+            See ``hostprocs/router.py`` for what differs (a fork's slots come from the
+            process holding its source; a file object is copied through a temporary file).
+
+    Raises:
+        ConfigError: bad profiles, driver options or ``host_processes``.
     """
+
+    def __new__(cls, *args: Any, host_processes: int = 1, **kwargs: Any) -> ToolBackend:
+        if isinstance(host_processes, bool) or not isinstance(host_processes, int) or host_processes < 1:
+            raise ConfigError(f"host_processes must be a whole number >= 1, got {host_processes!r}")
+        if host_processes == 1 or getattr(cls, "_split", False):
+            return super().__new__(cls)
+        from .hostprocs.router import split_class
+
+        made: ToolBackend = super().__new__(split_class(cls))
+        return made
 
     def __init__(
         self,
@@ -73,6 +91,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         default_profile: str | None = None,
         app_name: str | None = None,
         driver_options: Mapping[str, Any] | None = None,
+        host_processes: int = 1,
     ) -> None:
         if config is not None and profiles is not None:
             raise UsageError("give either config or profiles, not both")
@@ -116,6 +135,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         self._loop: asyncio.AbstractEventLoop | None = None
         self._snapshots = Snapshots(self)
         self._setups = SharedSetups(self)
+        self._id_tag = ""  # in sandbox and snapshot ids; a host process's: "h{index}."
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -260,7 +280,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
                 if driver is None:
                     driver = self._drivers[cfg.driver] = make_driver(
                         cfg.driver, **self._driver_options.get(cfg.driver, {}))
-                pool = SandboxPool(cfg, driver)
+                pool = SandboxPool(cfg, driver, self._id_tag)
                 self._pools[name] = pool
                 await pool.start()
         return pool
@@ -397,9 +417,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         self._check_open()
         if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
             raise UsageError(f"requests must be a list of (slot, tool, args), got {type(requests).__name__}")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not timeout_s > 0):
-            raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout(timeout_s)
         results: list[ExecutionResult | None] = [None] * len(requests)
         grouped = on_output is None
         valid = []  # the requests that pass the checks, (index, slot, tool, args, pool)
@@ -408,23 +426,11 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         # input order (so that a slot's calls keep theirs).
         by_sandbox: dict[Any, list[tuple]] = {}
         for i, req in enumerate(requests):
-            try:
-                slot, tool, args = req
-            except (TypeError, ValueError):
-                results[i] = _bad_request(
-                    f"request {i}: expected (slot, tool, args), got {req!r:.200}")
+            parsed = parse_request(i, req)
+            if type(parsed) is ExecutionResult:
+                results[i] = parsed
                 continue
-            if not isinstance(slot, Slot):
-                results[i] = _bad_request(f"request {i}: expected a Slot, got {type(slot).__name__}")
-                continue
-            if not isinstance(tool, str):
-                results[i] = _bad_request(f"request {i}: tool must be a string, got {tool!r:.100}",
-                                          slot.slot_id)
-                continue
-            if type(args) is not dict and not isinstance(args, Mapping):  # the ABC check costs ~1 µs
-                results[i] = _bad_request(
-                    f"request {i}: args must be a dict, got {type(args).__name__}", slot.slot_id)
-                continue
+            slot, tool, args = parsed  # type: ignore[misc]
             pool = self._pools.get(slot.profile)
             if pool is None:
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
@@ -491,6 +497,3 @@ class ModalToolBackend(ToolBackend):
         return ModalSandboxConfig()
 
 
-def _bad_request(error: str, slot_id: str | None = None) -> ExecutionResult:
-    """A request refused before anything ran (``metadata["reason"] == "bad_request"``)."""
-    return ExecutionResult.failure(error, slot_id, "bad_request")

@@ -50,8 +50,9 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage, PoolCalls):
         driver: starts the sandboxes.
     """
 
-    def __init__(self, config: SandboxConfig, driver: Driver) -> None:
+    def __init__(self, config: SandboxConfig, driver: Driver, id_tag: str = "") -> None:
         self.config = config
+        self.id_tag = id_tag  # sandbox ids are "{profile}-{id_tag}{N}"
         self.name = config.name
         self.driver = driver
         self._sandboxes: dict[str, Sandbox] = {}
@@ -153,7 +154,7 @@ class SandboxPool(SlotResets, SlotPick, PoolStatus, PoolUsage, PoolCalls):
     async def _start_sandbox(self, counted: bool) -> Sandbox:
         if not counted:
             self._starting += 1
-        sandbox_id = f"{self.name}-{next(self._seq)}"
+        sandbox_id = f"{self.name}-{self.id_tag}{next(self._seq)}"
         handle = None
         try:
             handle, init = await asyncio.wait_for(

@@ -79,7 +79,7 @@ class Preview:
     port: int
     revoked: bool = False
     _cookie_name: str = ""
-    _tickets: dict[str, float] = field(default_factory=dict, repr=False)
+    _tickets: dict[str, float] = field(default_factory=dict, repr=False)  # nonces used -> expiry
     _cookies: set[str] = field(default_factory=set, repr=False)
 
     @property
@@ -91,18 +91,36 @@ class Preview:
         """A new single-use ticket (valid :data:`TICKET_TTL_S` seconds), to send as the
         query parameter :data:`TICKET_PARAM` (see :meth:`ticket_url`).
 
+        A ticket is ``nonce.expiry.mac``, signed with the preview's token (HMAC-SHA256):
+        the listener checks it without having seen it made (it may run in another host
+        process, ``host_processes``), and remembers each nonce it took until it expires.
+
         Raises:
             UsageError: the preview is revoked.
         """
         if self.revoked:
             raise UsageError(f"the preview of port {self.port} of slot {self.slot_id} is revoked")
-        ticket = secrets.token_urlsafe(24)
-        now = time.monotonic()
+        body = f"{secrets.token_urlsafe(12)}.{int(time.time() + TICKET_TTL_S)}"
+        return f"{body}.{self._sign(body)}"
+
+    def _sign(self, body: str) -> str:
+        return hmac.new(self.token.encode(), body.encode(), "sha256").hexdigest()[:32]
+
+    def _redeem(self, ticket: str) -> bool:
+        """Whether ``ticket`` is one of this preview's, unexpired and not used before; it
+        counts as used from now on."""
+        nonce, _, rest = ticket.partition(".")
+        until_text, _, mac = rest.partition(".")
+        if not until_text.isdigit() or not hmac.compare_digest(mac, self._sign(f"{nonce}.{until_text}")):
+            return False
+        now = time.time()
         for old, until in list(self._tickets.items()):
             if until < now:
                 del self._tickets[old]
-        self._tickets[ticket] = now + TICKET_TTL_S
-        return ticket
+        if int(until_text) < now or nonce in self._tickets:
+            return False
+        self._tickets[nonce] = float(until_text)
+        return True
 
     def ticket_url(self, path: str = "/") -> str:
         """A URL with a new single-use ticket, for a browser: the first request trades it
@@ -216,8 +234,7 @@ class _Exposure:
         for name, val in parse_qsl(urlsplit(target).query, keep_blank_values=True):
             if name == TICKET_PARAM:
                 given = True
-                until = self.preview._tickets.pop(val, None)  # single use, valid or not
-                if until is not None and until >= time.monotonic():
+                if self.preview._redeem(val):  # single use
                     return "ticket"
         return "bad" if given else "none"
 

@@ -46,7 +46,8 @@ class SlotSnapshot:
     ``acquire(snapshot=...)``; release it with :meth:`ToolBackend.release_snapshot`.
 
     Attributes:
-        snapshot_id: ``"snap-N"``, unique within a backend.
+        snapshot_id: ``"snap-N"`` (``"snap-hK.N"`` when made in host process K, see
+            ``host_processes``), unique within a backend.
         profile: the profile whose sandboxes can start from it.
         sandbox_id: the sandbox it was made in.
         size_bytes: bytes of files it holds (its own layer and the layers below it).
@@ -128,7 +129,7 @@ class Snapshots:
         cap = pool.config.snapshot_disk * 1024 * 1024
         result = await self.ask(rec.sandbox, {"op": "snapshot", "slot": rec.index, "cap_bytes": cap},
                                 f"snapshot of slot {slot.slot_id}")
-        snap = SlotSnapshot(f"snap-{next(_SEQ)}", pool.name, rec.sandbox.sandbox_id,
+        snap = SlotSnapshot(f"snap-{self.backend._id_tag}{next(_SEQ)}", pool.name, rec.sandbox.sandbox_id,
                             int(result["size_bytes"]), slot.trajectory_id)
         snap._copies[rec.sandbox.sandbox_id] = result["snapshot"]
         self.live[snap.snapshot_id] = snap
@@ -276,7 +277,7 @@ class Snapshots:
             sb = pool.record_of(slot).sandbox
             await pool.release(slot)
         reply = await transfer.import_chunks(self, sb, data)
-        snap = SlotSnapshot(f"snap-{next(_SEQ)}", pool.name, sb.sandbox_id, int(reply["size_bytes"]))
+        snap = SlotSnapshot(f"snap-{self.backend._id_tag}{next(_SEQ)}", pool.name, sb.sandbox_id, int(reply["size_bytes"]))
         snap._copies[sb.sandbox_id] = reply["snapshot"]
         self.live[snap.snapshot_id] = snap
         return snap

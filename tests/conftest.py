@@ -47,18 +47,20 @@ class BackendFactory:
     async def __call__(self, *, config: SandboxConfig | None = None,
                        profiles: dict[str, SandboxConfig] | None = None,
                        default_profile: str | None = None, start: bool = True,
-                       **fields: Any) -> ToolBackend:
+                       host_processes: int = 1, **fields: Any) -> ToolBackend:
         """A backend: ``config=``, or ``profiles=`` (+ ``default_profile=``), or
-        ``SandboxConfig(**SMALL | fields)``; started unless ``start=False``."""
+        ``SandboxConfig(**SMALL | fields)``; started unless ``start=False``; its
+        sandboxes spread over ``host_processes``."""
         tag = self.leftovers.tag
         if profiles is not None:
             backend = ToolBackend(profiles={n: tag(c) for n, c in profiles.items()},
-                                  default_profile=default_profile)
+                                  default_profile=default_profile, host_processes=host_processes)
         else:
             # A profile name of its own: sandbox ids (and so cgroup names) do not
             # collide with sandboxes another program runs on this machine.
             fields.setdefault("name", self.profile_name)
-            backend = ToolBackend(tag(config or SandboxConfig(**{**SMALL, **fields})))
+            backend = ToolBackend(tag(config or SandboxConfig(**{**SMALL, **fields})),
+                                  host_processes=host_processes)
         return await self.adopt(backend, start=start)
 
     async def adopt(self, backend: ToolBackend, start: bool = False) -> ToolBackend:
@@ -134,10 +136,11 @@ def running_sandboxes(server: Any, profile: str) -> list[Any]:
             if r.tags.get("hmt-profile") == profile and r.status == "running"]
 
 
-@pytest.fixture(params=["local", "modal"])
+@pytest.fixture(params=["local", "modal", "local-hosts"])
 def driver(request: pytest.FixtureRequest) -> str:
     """Each shared behaviour test runs once per driver; ``modal`` runs against the
-    local Modal control plane."""
+    local Modal control plane; ``local-hosts`` is the local driver with the sandboxes
+    spread over two host processes (``host_processes=2``)."""
     if request.param == "modal":
         request.getfixturevalue("modal_server")
     return request.param
@@ -150,11 +153,14 @@ async def driver_backend(make_backend: BackendFactory, driver: str, request: pyt
     made: list[ToolBackend] = []
 
     async def factory(**fields: Any) -> ToolBackend:
+        name = "local" if driver == "local-hosts" else driver
+        if driver == "local-hosts":
+            fields["host_processes"] = 2
         if "profiles" in fields:
-            fields["profiles"] = {n: c.model_copy(update={"driver": driver})
+            fields["profiles"] = {n: c.model_copy(update={"driver": name})
                                   for n, c in fields["profiles"].items()}
         else:
-            fields["driver"] = driver
+            fields["driver"] = name
         backend = await make_backend(**fields)
         made.append(backend)
         return backend

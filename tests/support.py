@@ -56,6 +56,11 @@ class Proc:
         return AGENT_MARK in self.cmdline
 
     @property
+    def is_host_process(self) -> bool:
+        """A host process of a split backend (``host_processes=K``)."""
+        return b"hermes_modal_tool.hostprocs.worker" in self.cmdline
+
+    @property
     def is_slot_process(self) -> bool:
         return self.uid >= SLOT_UID_MIN
 
@@ -91,9 +96,12 @@ def environ_of(pid: int) -> bytes:
 
 
 def agent_processes() -> dict[int, Proc]:
-    """Agent processes started by this test process (they are its children)."""
+    """Agent processes started by this test process: its children, or its host processes'
+    (``host_processes=K``)."""
     me = os.getpid()
-    return {pid: p for pid, p in processes().items() if p.is_agent and p.ppid == me}
+    procs = processes()
+    parents = {me} | {pid for pid, p in procs.items() if p.is_host_process and p.ppid == me}
+    return {pid: p for pid, p in procs.items() if p.is_agent and p.ppid in parents}
 
 
 class Leftovers:
@@ -111,7 +119,9 @@ class Leftovers:
 
     def note_roots(self, backend: ToolBackend) -> None:
         """Remember a running backend's state directories (call before stopping it)."""
-        for info in backend.get_status().get("drivers", {}).values():
+        status = backend.get_status()
+        drivers = [status.get("drivers", {})] + [h["drivers"] for h in status.get("host_processes", ())]
+        for info in (i for d in drivers for i in d.values()):
             if info.get("state_root"):
                 self.roots.add(info["state_root"])
         for p in self.processes():
@@ -124,7 +134,7 @@ class Leftovers:
         for pid, p in processes().items():
             if pid == me:
                 continue
-            if (p.is_agent and p.ppid == me) or any(r in p.cmdline for r in roots) or (
+            if ((p.is_agent or p.is_host_process) and p.ppid == me) or any(r in p.cmdline for r in roots) or (
                     (p.is_bwrap or p.is_slot_process) and self.token in environ_of(pid)):
                 ours.append(p)
         return ours

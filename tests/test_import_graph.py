@@ -26,7 +26,7 @@ LAYERS = [
     ("sessions/backend", [P + m for m in (
         "sessions", "capture", "backend", "_artifact_api", "_snapshot_api", "_status_api", "_call_api",
         "filetransfer", "_transfer_wire", "_transfer_probe", "previews", "_transfer_tree", "_transfer_resume", "processes", "shared_setup", "snapshots", "sandbox_images", "transfer",
-        "streaming", "status", "_backend_view")]),
+        "streaming", "status", "_backend_view", "hostprocs")]),
     ("pool", [P + m for m in ("pool", "_pool_status", "_pool_usage", "_pool_pick", "_pool_calls", "resets",
                               "_slot_record")]),
     ("sandbox", [P + "sandbox", P + "_call_group"]),

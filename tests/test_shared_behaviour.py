@@ -121,7 +121,7 @@ async def test_sandbox_death_mid_batch_fails_its_calls_and_the_pool_recovers(
     await asyncio.sleep(1.0)
     assert not batch.done()
     killed_at = time.monotonic()
-    if driver == "local":
+    if driver in ("local", "local-hosts"):
         [pid] = agent_processes()
         os.kill(pid, 9)
         reason = "killed by signal 9"
