@@ -37,17 +37,22 @@ def cfg(**kw: Any) -> SandboxConfig:
 
 
 def track(b: ToolBackend) -> None:
-    """Remember the state directories of ``b``'s drivers for the leak check."""
-    for d in getattr(b, "_drivers", {}).values():
-        for attr in ("state_root", "ctl_root"):
-            path = getattr(d, attr, None)
-            if path is not None and str(path) not in OWN_PATHS:
-                OWN_PATHS.append(str(path))
+    """Remember the state directories of ``b``'s drivers for the leak check (with
+    ``host_processes``, its host processes' drivers')."""
+    paths = [getattr(d, attr, None) for d in getattr(b, "_drivers", {}).values()
+             for attr in ("state_root", "ctl_root")]
+    if getattr(b, "host_processes", 1) > 1:
+        paths += [info.get("state_root") for h in b.get_status()["host_processes"]
+                  for info in h["drivers"].values()]
+    for path in paths:
+        if path is not None and str(path) not in OWN_PATHS:
+            OWN_PATHS.append(str(path))
 
 
-async def started(config: SandboxConfig) -> ToolBackend:
-    """A started backend (stopped again if start fails), tracked for the leak check."""
-    b = ToolBackend(config)
+async def started(config: SandboxConfig, host_processes: int = 1) -> ToolBackend:
+    """A started backend (stopped again if start fails), tracked for the leak check;
+    its sandboxes spread over ``host_processes`` (``ToolBackend(host_processes=K)``)."""
+    b = ToolBackend(config, host_processes=host_processes)
     try:
         await b.start()
     except BaseException:

@@ -124,14 +124,15 @@ async def agents_quiet(since: float, limit_s: float = 30.0, window_s: float = 0.
 
 
 @contextlib.asynccontextmanager
-async def held_slots(slots: int, sandboxes: int) -> AsyncIterator[tuple[Any, list[Any], float]]:
-    """A started backend of ``sandboxes`` sandboxes with ``slots`` slots held, spread
-    evenly over them (checked), warm and its agents quiet: ``(backend, the slots, the
-    seconds waited for the agents)``; the slots released and the backend stopped after.
-    ``one_count`` and each host process of ``_scaling_procs.py``."""
+async def held_slots(slots: int, sandboxes: int, host_processes: int = 1,
+                     ) -> AsyncIterator[tuple[Any, list[Any], float]]:
+    """A started backend of ``sandboxes`` sandboxes (spread over ``host_processes``) with
+    ``slots`` slots held, spread evenly over them (checked), warm and its agents quiet:
+    ``(backend, the slots, the seconds waited for the agents)``; the slots released and
+    the backend stopped after. ``one_count`` and each host process of ``_scaling_procs.py``."""
     per = -(-slots // sandboxes)
     b = await started(cfg(slots_per_sandbox=per, min_sandboxes=sandboxes, max_sandboxes=sandboxes,
-                          scale_down_idle=False))
+                          scale_down_idle=False), host_processes)
     try:
         # The pool's default spread (``spread: true``) puts the slots evenly over the
         # sandboxes: checked, since an uneven spread would measure the busiest agent.
@@ -159,13 +160,14 @@ def row(sandboxes: int, slots: int, rounds: int, walls: list[float], wrong: int,
             "cpu_us_per_call": per_call}
 
 
-async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[str, Any]:
+async def one_count(slots: int, sandboxes: int, rounds: int, runs: int, host_processes: int = 1,
+                    ) -> dict[str, Any]:
     """``runs`` runs of ``rounds`` rounds of ``echo i`` over ``slots`` slots spread evenly
-    over ``sandboxes`` sandboxes: calls/s of the median run and CPU µs per call by process
-    kind over all runs."""
+    over ``sandboxes`` sandboxes (of one backend over ``host_processes``): calls/s of the
+    median run and CPU µs per call by process kind over all runs."""
     walls, wrong, sleeps = [], 0, 0
     cpu: dict[str, float] = {}
-    async with held_slots(slots, sandboxes) as (b, use, settled_s):
+    async with held_slots(slots, sandboxes, host_processes) as (b, use, settled_s):
         for _ in range(runs):
             c0, s0 = cpu_by_kind(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
             wall, bad = await echo_rounds(b, use, rounds)
@@ -177,8 +179,11 @@ async def one_count(slots: int, sandboxes: int, rounds: int, runs: int) -> dict[
     # The host's sleeps (voluntary context switches: its loop waited for replies) per
     # round: replies that come apart in time cost the host a wake-up each, and it spends
     # about 40% more CPU per call when they do (``host_calls.py --pipes --spread-ms``).
-    return {**row(sandboxes, slots, rounds, walls, wrong, settled_s, cpu),
-            "host_sleeps_per_round": sleeps / (rounds * runs)}
+    out = {**row(sandboxes, slots, rounds, walls, wrong, settled_s, cpu),
+           "host_sleeps_per_round": sleeps / (rounds * runs)}
+    if host_processes > 1:
+        out.update(host_processes=host_processes, split="backend")
+    return out
 
 
 def framing_us(n: int = 200, batch: int = 128) -> dict[str, float]:
@@ -222,12 +227,14 @@ def framing_us(n: int = 200, batch: int = 128) -> dict[str, float]:
 def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             timed: Callable[[str, Callable[[], Any]], Any], counts: Sequence[int] | None = None,
             loop_names: Sequence[str] = ("asyncio", "uvloop"),
-            host_processes: Sequence[int] = ()) -> dict[str, Any]:
+            host_processes: Sequence[int] = (), separate: Sequence[int] = ()) -> dict[str, Any]:
     """Section s: for each sandbox count (``counts``, default :func:`sandbox_counts`) and
     each event loop of ``loop_names``, our calls/s and CPU per call by part, and the
     raw-bash floor measured right after (ratio = ours / that floor); with
-    ``host_processes``, also the same sandboxes split over that many host processes, each
-    with a backend of its own (``_scaling_procs.py``; counts that split evenly only)."""
+    ``host_processes``, also one backend spreading the same sandboxes over that many host
+    processes (``ToolBackend(host_processes=K)``); with ``separate``, the same sandboxes
+    split over that many host processes each with a backend of its own
+    (``_scaling_procs.py``). Both: counts that split evenly only."""
     from _engine_backends import EXTRA, OWN_PATHS
     from _scaling_procs import one_count_procs, splits
 
@@ -240,7 +247,12 @@ def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             row["loop"] = name
             mine.append(row)
             for k in splits(n, host_processes):
-                row = timed(f"s. ours {n} sandbox(es) in {k} host processes, {name}",
+                row = timed(f"s. ours {n} sandbox(es), one backend over {k} host processes, {name}",
+                            lambda f=factory, n=n, k=k: run_on(f, one_count(slots, n, rounds, runs, k)))
+                row["loop"] = name
+                mine.append(row)
+            for k in splits(n, separate):
+                row = timed(f"s. ours {n} sandbox(es) in {k} separate backends, {name}",
                             lambda name=name, n=n, k=k: one_count_procs(slots, n, k, rounds, runs, name,
                                                                         dict(EXTRA), OWN_PATHS))
                 row["loop"] = name
@@ -253,7 +265,7 @@ def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             row["ratio"] = row["calls_per_s"] / floor["calls_per_s"]
             row["floor_cpu_us_per_call"] = floor["cpu_us_per_call"]
             # Each row as soon as it is measured: a later count that fails loses none.
-            print(f"  .. s. row: {n} sandbox(es), {row.get('host_processes', 1)} host process(es), "
+            print(f"  .. s. row: {n} sandbox(es), {_procs(row)} host process(es), "
                   f"{row['loop']}: {row['calls_per_s']:,.0f} calls/s, floor "
                   f"{floor['calls_per_s']:,.0f}, ratio {row['ratio']:.3f}", flush=True)
         rows += mine
@@ -262,7 +274,14 @@ def scaling(slots: int, max_sandboxes: int, rounds: int, runs: int,
             "framing_us_per_call": framing_us(), "rows": rows}
 
 
-PARTS = (("host", ("host",)), ("agent", ("agent",)), ("shell", ("bash", "bwrap-init", "bwrap")))
+#: CPU per call by part; "hmt-host": host processes (``host_processes=K``, or _scaling_procs's).
+PARTS = (("host", ("host", "hmt-host")), ("agent", ("agent",)), ("shell", ("bash", "bwrap-init", "bwrap")))
+
+
+def _procs(row: dict[str, Any]) -> str:
+    """The row's host processes: ``K`` (one backend over K) or ``K sep.`` (K backends)."""
+    k = row.get("host_processes", 1)
+    return f"{k} sep." if k > 1 and row.get("split") != "backend" else str(k)
 
 
 def render(sc: dict[str, Any]) -> str:
@@ -279,12 +298,13 @@ def render(sc: dict[str, Any]) -> str:
     for r in sc["rows"]:
         cpu = r["cpu_us_per_call"]
         parts = {p: sum(cpu.get(k, 0.0) for k in kinds) for p, kinds in PARTS}
-        procs = r.get("host_processes", 1)
+        procs = _procs(r)
         sleeps = r.get("host_sleeps_per_round")
         lines.append(f"| {r['sandboxes']} | {procs} | {r['loop']} | {r['calls_per_s']:,.0f} | {r['floor_calls_per_s']:,.0f} "
                      f"| {r['ratio']:.2f} | {parts['host']:.1f} | {parts['agent']:.1f} | {parts['shell']:.1f} "
                      f"| {'-' if sleeps is None else f'{sleeps:.1f}'} |")
-        short.append({"sandboxes": r["sandboxes"], "host_processes": procs, "loop": r["loop"],
+        short.append({"sandboxes": r["sandboxes"], "host_processes": r.get("host_processes", 1),
+                      "split": r.get("split"), "loop": r["loop"],
                       "calls_per_s": round(r["calls_per_s"]),
                       "floor": round(r["floor_calls_per_s"]), "ratio": round(r["ratio"], 3),
                       "us_per_call": {p: round(v, 1) for p, v in parts.items()},

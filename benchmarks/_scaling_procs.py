@@ -1,4 +1,4 @@
-"""Section s with several host processes (``engine.py --host-processes K,...``): the same
+"""Section s with separate backends (``engine.py --separate-backends K,...``): the same
 slots and sandboxes as a row of ``_scaling.py``, split over K host processes, each with a
 ``ToolBackend`` of its own owning ``sandboxes / K`` of the sandboxes and their slots (the
 way RL frameworks run several rollout workers, and the route the README gives past one
@@ -108,7 +108,8 @@ def one_count_procs(slots: int, sandboxes: int, processes: int, rounds: int, run
             err.close()
     cpu.pop("host", None)  # this process only waits; the hosts are the children
     cpu["host"] = cpu.pop("hmt-host", 0.0)
-    return {**row(sandboxes, slots, rounds, walls, wrong, settle, cpu), "host_processes": processes}
+    return {**row(sandboxes, slots, rounds, walls, wrong, settle, cpu), "host_processes": processes,
+            "split": "separate"}
 
 
 async def _child(share: dict[str, Any]) -> None:

@@ -24,9 +24,10 @@ s. scaling (``_scaling.py``, not in the default set): ``--scale-slots`` slots ov
    ... sandboxes up to ``--max-sandboxes`` (default twice the CPUs), calls/s against as
    many raw bashes, the ratio, and the CPU per call by part, on the stdlib event loop and
    on uvloop when installed (``--counts 8,16`` for those sandbox counts only, ``--loops
-   asyncio`` for one loop); ``--host-processes 2,4`` adds rows with the same sandboxes
-   split over 2 and 4 host processes, each with a ``ToolBackend`` of its own
-   (``_scaling_procs.py``).
+   asyncio`` for one loop); ``--host-processes 2,4`` adds rows of one
+   ``ToolBackend(host_processes=K)`` spreading the same sandboxes over 2 and 4 host
+   processes, ``--separate-backends 2,4`` rows with them split over 2 and 4 host
+   processes each with a ``ToolBackend`` of its own (``_scaling_procs.py``).
 
 Floors measured beside (``_floors.py``): a raw persistent bash answering ``echo`` (a), raw
 persistent bashes answering trivial commands in rounds, bare and each in a memory, pids and
@@ -279,8 +280,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "s" in sections:
         counts = [int(x) for x in args.counts.split(",")] if args.counts else None
         procs = [int(x) for x in args.host_processes.split(",")] if args.host_processes else []
+        separate = [int(x) for x in args.separate_backends.split(",")] if args.separate_backends else []
         res["scaling"] = scaling(args.scale_slots, args.max_sandboxes or default_max_sandboxes(),
-                                 10 if q else 50, 2 if q else 3, timed, counts, args.loops.split(","), procs)
+                                 10 if q else 50, 2 if q else 3, timed, counts, args.loops.split(","), procs,
+                                 separate)
     res["cleanup"] = wait_clean()
     res["wall_s"] = perf() - t_start
     res["cpu_log"] = CPU_LOG
@@ -300,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--counts", default=None, metavar="N,N,...",
                     help="section s: these sandbox counts instead of 1, 2, 4, ... --max-sandboxes")
     ap.add_argument("--host-processes", default=None, metavar="K,K,...",
+                    help="section s: also one ToolBackend(host_processes=K) spreading each sandbox "
+                         "count over K host processes (counts K divides)")
+    ap.add_argument("--separate-backends", default=None, metavar="K,K,...",
                     help="section s: also split each sandbox count over K host processes, each with a "
                          "ToolBackend of its own (counts K divides; _scaling_procs.py)")
     ap.add_argument("--loops", default="asyncio,uvloop", metavar="NAMES",

@@ -1,13 +1,14 @@
 """``ToolBackend``'s single-call methods: ``execute`` and ``execute_stream`` (a mixin over
-``execute_batch``)."""
+``execute_batch``), and ``execute_batch``'s path with an ``on_output`` listener."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from . import streaming
-from .slots import ExecutionResult, OutputEvent, Slot
+from . import streaming, tracing
+from ._call_group import gather_outcomes
+from .slots import ExecutionResult, OutputEvent, Slot, execution_id
 
 
 class CallMethods:
@@ -35,3 +36,36 @@ class CallMethods:
         """
         return streaming.stream_one(
             lambda on_output: self.execute_batch([(slot, tool, args)], timeout_s, on_output))  # type: ignore[attr-defined]
+
+
+async def execute_streamed(valid: list[tuple], results: list[Any], timeout_s: float | None,
+                           on_output: Callable[[OutputEvent], Any]) -> None:
+    """``ToolBackend.execute_batch`` with a listener: each call sent alone (``PoolCalls.submit``,
+    its output streamed to ``on_output``), all in one write per sandbox."""
+    traced = tracing.active()
+    spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
+    touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
+    waiting: list[tuple[int, Any, str, Slot, Any, int, Any, str, Any]] = []
+    for i, slot, tool, args, pool in valid:
+        submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False,
+                                listener=streaming.listener(i, slot.slot_id, on_output))
+        if isinstance(submitted, ExecutionResult):
+            results[i] = submitted
+            continue
+        sb, mid, fut, rec = submitted
+        if traced:
+            spans[i] = tracing.call_span(slot, tool)
+        touched[sb] = None
+        waiting.append((i, pool, tool, slot, sb, mid, fut, execution_id(), rec))
+    for sb in touched:
+        sb.flush()
+
+    def finish(w: tuple, outcome: Any) -> None:
+        i, pool, tool, slot, _sb, _mid, _fut, eid, rec = w
+        pool.call_ended(rec, slot)
+        results[i] = pool.to_result(slot, tool, outcome, eid)
+        if traced:
+            tracing.end_call_span(*spans[i], results[i])
+
+    if waiting:
+        await gather_outcomes(waiting, touched, spans, finish)

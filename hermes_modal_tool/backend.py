@@ -24,10 +24,10 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import streaming, tracing
+from . import tracing
 from ._artifact_api import ArtifactMethods
-from ._call_api import CallMethods
-from ._call_group import check_timeout, execute_grouped, gather_outcomes, parse_request
+from ._call_api import CallMethods, execute_streamed
+from ._call_group import check_timeout, execute_grouped, parse_request
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -39,7 +39,7 @@ from .pool import SandboxPool
 from .previews import PreviewMethods
 from .processes import ProcessMethods
 from .shared_setup import SharedSetups
-from .slots import ExecutionResult, OutputEvent, Slot, execution_id
+from .slots import ExecutionResult, OutputEvent, Slot
 from .snapshots import SlotSnapshot, Snapshots
 from .usage import Usage
 
@@ -357,15 +357,19 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         if self._closed:
             return None
         self._check_open()
+        with tracing.span("release", {"slot_id": slot.slot_id, "trajectory_id": slot.trajectory_id,
+                                      "reset_workspace": reset_workspace}) as span:
+            used = await self._release(slot, reset_workspace, measure_disk)
+            tracing.set_attributes(span, tracing.usage_attributes(used))
+            return used
+
+    async def _release(self, slot: Slot, reset_workspace: bool, measure_disk: bool) -> Usage | None:
+        """The release itself, in the span :meth:`release` opens (host processes route it)."""
         pool = self._pools.get(slot.profile)
         if pool is None:
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
         await self._unexpose_all(slot)  # its previews are revoked before its reset
-        with tracing.span("release", {"slot_id": slot.slot_id, "trajectory_id": slot.trajectory_id,
-                                      "reset_workspace": reset_workspace}) as span:
-            used = await pool.release(slot, reset_workspace=reset_workspace, measure_disk=measure_disk)
-            tracing.set_attributes(span, tracing.usage_attributes(used))
-            return used
+        return await pool.release(slot, reset_workspace=reset_workspace, measure_disk=measure_disk)
 
     # -- execution ---------------------------------------------------------------------
     async def execute_batch(
@@ -449,41 +453,8 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
             if by_sandbox:
                 await execute_grouped(by_sandbox, results, timeout_s, requests, tracing.active())
             return results  # type: ignore[return-value]
-        await self._execute_streamed(valid, results, timeout_s, on_output)
+        await execute_streamed(valid, results, timeout_s, on_output)
         return results  # type: ignore[return-value]
-
-    async def _execute_streamed(self, valid: list[tuple], results: list[Any], timeout_s: float | None,
-                                on_output: Callable[[OutputEvent], Any]) -> None:
-        """:meth:`execute_batch` with a listener: each call sent alone (``PoolCalls.submit``,
-        its output streamed to ``on_output``), all in one write per sandbox."""
-        traced = tracing.active()
-        spans: dict[int, tuple[Any, float]] = {}  # request index -> (span, start), when traced
-        touched: dict[Any, None] = {}  # sandboxes with frames to send, in first-use order
-        waiting: list[tuple[int, Any, str, Slot, Any, int, Any, str, Any]] = []
-        for i, slot, tool, args, pool in valid:
-            submitted = pool.submit(slot, tool, dict(args), timeout_s, flush=False,
-                                    listener=streaming.listener(i, slot.slot_id, on_output))
-            if isinstance(submitted, ExecutionResult):
-                results[i] = submitted
-                continue
-            sb, mid, fut, rec = submitted
-            if traced:
-                spans[i] = tracing.call_span(slot, tool)
-            touched[sb] = None
-            waiting.append((i, pool, tool, slot, sb, mid, fut, execution_id(), rec))
-        for sb in touched:
-            sb.flush()
-
-        def finish(w: tuple, outcome: Any) -> None:
-            i, pool, tool, slot, _sb, _mid, _fut, eid, rec = w
-            pool.call_ended(rec, slot)
-            results[i] = pool.to_result(slot, tool, outcome, eid)
-            if traced:
-                tracing.end_call_span(*spans[i], results[i])
-
-        if waiting:
-            await gather_outcomes(waiting, touched, spans, finish)
-
 
 class ModalToolBackend(ToolBackend):
     """:class:`ToolBackend` whose default profile is a :class:`ModalSandboxConfig` (driver ``modal``).

@@ -324,7 +324,7 @@ class TransferMethods:
 
         with tracing.span("upload", {"slot_id": getattr(slot, "slot_id", None), "path": remote_path,
                                      "offset": offset}) as span:
-            done = await upload(self, slot, local, remote_path, offset, resume)  # type: ignore[arg-type]
+            done = await self._upload(slot, local, remote_path, offset, resume)
             tracing.set_attributes(span, {"bytes": done.bytes, "files": done.files, "sha256": done.sha256})
             return done
 
@@ -362,6 +362,14 @@ class TransferMethods:
 
         with tracing.span("download", {"slot_id": getattr(slot, "slot_id", None), "path": remote_path,
                                        "offset": offset}) as span:
-            done = await download(self, slot, remote_path, local, offset, resume)  # type: ignore[arg-type]
+            done = await self._download(slot, remote_path, local, offset, resume)
             tracing.set_attributes(span, {"bytes": done.bytes, "files": done.files, "sha256": done.sha256})
             return done
+
+    async def _upload(self, slot: Slot, local: Any, remote_path: str, offset: int, resume: bool) -> Transfer:
+        """The upload itself, in the span :meth:`upload` opens (host processes route it)."""
+        return await upload(self, slot, local, remote_path, offset, resume)  # type: ignore[arg-type]
+
+    async def _download(self, slot: Slot, remote_path: str, local: Any, offset: int, resume: bool) -> Transfer:
+        """The download itself, in the span :meth:`download` opens (host processes route it)."""
+        return await download(self, slot, remote_path, local, offset, resume)  # type: ignore[arg-type]

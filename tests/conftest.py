@@ -136,11 +136,12 @@ def running_sandboxes(server: Any, profile: str) -> list[Any]:
             if r.tags.get("hmt-profile") == profile and r.status == "running"]
 
 
-@pytest.fixture(params=["local", "modal", "local-hosts"])
+@pytest.fixture(params=["local", "modal"])
 def driver(request: pytest.FixtureRequest) -> str:
     """Each shared behaviour test runs once per driver; ``modal`` runs against the
-    local Modal control plane; ``local-hosts`` is the local driver with the sandboxes
-    spread over two host processes (``host_processes=2``)."""
+    local Modal control plane. A module may add ``local-hosts`` (test_shared_behaviour.py):
+    the local driver with the sandboxes spread over two host processes
+    (``host_processes=2``), made by ``driver_backend``."""
     if request.param == "modal":
         request.getfixturevalue("modal_server")
     return request.param

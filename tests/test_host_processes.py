@@ -22,6 +22,7 @@ import time
 
 import pytest
 from support import SMALL, agent_processes, bash, eventually, processes
+from test_tracing import spans  # noqa: F401 - the fixture
 
 from hermes_modal_tool import SandboxConfig, ToolBackend
 from hermes_modal_tool.errors import ConfigError
@@ -30,14 +31,15 @@ from hermes_modal_tool.hostprocs._router_data import RouterData
 
 #: Methods of ToolBackend built only on the routed ones (checked below: they never touch
 #: the pools, snapshots or previews of the process they run in).
-BUILT_ON_ROUTED = {"acquire", "execute", "execute_stream", "start_process", "process", "list_processes",
+BUILT_ON_ROUTED = {"acquire", "release", "upload", "download", "execute", "execute_stream", "start_process", "process", "list_processes",
                    "read_artifact", "list_artifacts", "archive_artifacts", "profile", "with_profiles",
                    "__aenter__", "__aexit__"}
 
 
 def test_every_method_that_reaches_a_sandbox_is_routed() -> None:
     public = {n for n, m in inspect.getmembers(ToolBackend, callable)
-              if not n.startswith("_") or n in ("__aenter__", "__aexit__", "_process_request", "_acquire")}
+              if not n.startswith("_") or n in ("__aenter__", "__aexit__", "_process_request", "_acquire",
+                                                 "_release", "_upload", "_download")}
     routed = set(vars(router.HostRouter)) | set(vars(RouterData))
     assert public - routed - BUILT_ON_ROUTED == set(), "a new method must be routed or listed as built on them"
     for name in BUILT_ON_ROUTED - {"with_profiles", "profile"}:
@@ -106,6 +108,26 @@ async def test_objects_cross_between_host_processes(make_backend, tmp_path) -> N
     assert live["snapshot_id"] == imported.snapshot_id and live["holders"] == ["fork"]
     await backend.release(forked)
     assert backend.get_status()["snapshots"] == []
+
+
+async def test_spans_are_made_on_the_callers_side(make_backend, spans, tmp_path) -> None:  # noqa: F811
+    backend = await make_backend(host_processes=2)
+    slot = await backend.acquire("traced")
+    ok, bad = await backend.execute_batch([(slot, "bash", {"command": "echo ok"}),
+                                           (slot, "bash", {"command": "exit 7"})])
+    (tmp_path / "in.bin").write_bytes(b"x" * 70_000)
+    up = await backend.upload(slot, tmp_path / "in.bin", "in.bin")
+    await backend.download(slot, "in.bin", tmp_path / "out.bin")
+    await backend.release(slot)
+    done = spans.get_finished_spans()
+    calls = [s for s in done if s.name == "hermes_modal_tool.execute"]
+    assert [c.attributes["hmt.exit_code"] for c in calls] == [0, 7]
+    assert {c.attributes["hmt.sandbox_id"] for c in calls} == {slot.sandbox_id}
+    by_name = {s.name: s for s in done}
+    assert by_name["hermes_modal_tool.upload"].attributes["hmt.bytes"] == 70_000
+    assert by_name["hermes_modal_tool.download"].attributes["hmt.sha256"] == up.sha256
+    assert by_name["hermes_modal_tool.release"].attributes["hmt.usage.calls.bash"] == 2
+    assert ok.success and not bad.success
 
 
 async def test_a_preview_ticket_made_here_is_taken_there_once(make_backend) -> None:

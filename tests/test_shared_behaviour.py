@@ -1,4 +1,5 @@
-"""The engine's behaviour, once per driver: one suite, parametrized by ``driver``.
+"""The engine's behaviour, once per driver: one suite, parametrized by ``driver``
+(and once more on the local driver over two host processes, ``local-hosts``).
 
 ``local`` runs slots in bubblewrap on this host; ``modal`` runs the same engine
 through the Modal driver and the real ``modal`` SDK against the package's local
@@ -25,6 +26,15 @@ from conftest import on_server, running_sandboxes
 from support import SMALL, agent_processes, bash, eventually
 
 from hermes_modal_tool import SandboxConfig
+
+
+@pytest.fixture(params=["local", "modal", "local-hosts"])
+def driver(request: pytest.FixtureRequest) -> str:
+    """conftest's drivers, and the local driver over two host processes (``local-hosts``):
+    the behaviour must not depend on ``host_processes`` either."""
+    if request.param == "modal":
+        request.getfixturevalue("modal_server")
+    return str(request.param)
 
 
 async def test_slots_cannot_see_each_others_files_or_processes(driver_backend):

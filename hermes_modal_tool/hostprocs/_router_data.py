@@ -188,11 +188,9 @@ class RouterData:
                                    if h is not host and h.alive))
         return image
 
-    async def upload(self, slot: Slot, local: Any, remote_path: str, offset: int = 0,
-                     resume: bool = False) -> Any:
-        """As ToolBackend.upload; a file object (not a path or bytes) is first copied to a
+    async def _upload(self, slot: Slot, local: Any, remote_path: str, offset: int, resume: bool) -> Any:
+        """As ToolBackend's; a file object (not a path or bytes) is first copied to a
         temporary file, which the host process holding the slot reads."""
-        self._check_open()
         host = self._host_of(slot)
         if isinstance(local, (str, os.PathLike, bytes, bytearray, memoryview)) or not hasattr(local, "read"):
             return await self._ask(host, "upload", slot, _portable_local(local), remote_path, offset, resume)
@@ -203,11 +201,9 @@ class RouterData:
             spool.flush()
             return await self._ask(host, "upload", slot, spool.name, remote_path, offset, resume)
 
-    async def download(self, slot: Slot, remote_path: str, local: Any, offset: int = 0,
-                       resume: bool = False) -> Any:
-        """As ToolBackend.download; into a file object through a temporary file (which the
-        host process holding the slot writes)."""
-        self._check_open()
+    async def _download(self, slot: Slot, remote_path: str, local: Any, offset: int, resume: bool) -> Any:
+        """As ToolBackend's; into a file object through a temporary file (which the host
+        process holding the slot writes)."""
         host = self._host_of(slot)
         if isinstance(local, (str, os.PathLike)) or not hasattr(local, "write"):
             return await self._ask(host, "download", slot, remote_path, local, offset, resume)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from .. import tracing
 from .._call_group import check_timeout, parse_request
 from ..errors import ConfigError, SandboxDiedError, UsageError
 from ..previews import Preview
@@ -221,15 +222,17 @@ class HostRouter:
             raise UsageError(f"trajectory_id must be a string, got {type(trajectory_id).__name__}")
         if profile is not None and not isinstance(profile, str):
             raise UsageError(f"profile must be a profile name (a string), got {profile!r:.80}")
-        host = await self._pick(profile)
-        return await self._ask(host, "acquire", trajectory_id, self.profile(profile).name)  # type: ignore[attr-defined, no-any-return]
+        name = self.profile(profile).name  # type: ignore[attr-defined]
+        while True:
+            host = await self._pick(name)
+            try:
+                return await self._ask(host, "acquire", trajectory_id, name)  # type: ignore[no-any-return]
+            except SandboxDiedError:
+                if host.alive:
+                    raise
+                # It exited while the lease was being made: another one makes it.
 
-    async def release(self, slot: Slot, reset_workspace: bool = False, *, measure_disk: bool = False) -> Any:
-        if not isinstance(slot, Slot):
-            raise UsageError(f"release() takes a Slot, got {type(slot).__name__}")
-        if self._closed:  # type: ignore[has-type]
-            return None
-        self._check_open()  # type: ignore[attr-defined]
+    async def _release(self, slot: Slot, reset_workspace: bool, measure_disk: bool) -> Any:
         host = self._host_of(slot)
         held = slot.state not in (SlotState.AVAILABLE, SlotState.RELEASING)
         for preview, h in self._host_previews:
@@ -271,6 +274,8 @@ class HostRouter:
                 group = groups[host] = ([], [])
             group[0].append(i)
             group[1].append(((slot.lease_id, slot.slot_id, slot.profile), tool, args))
+        spans = {i: tracing.call_span(requests[i][0], requests[i][1]) for _h, (indices, _) in groups.items()
+                 for i in indices} if tracing.active() else {}
         waits = [(host, indices, host.request("batch", (items, timeout_s, on_output is not None),
                                               _relay(indices, on_output)))
                  for host, (indices, items) in groups.items()]
@@ -279,6 +284,8 @@ class HostRouter:
         except asyncio.CancelledError:
             for host, _i, fut in waits:
                 host.cancel(fut)
+            for span, _started in spans.values():
+                tracing.end_error(span, asyncio.CancelledError("the batch was cancelled"))
             raise
         for _host, indices, fut in waits:
             exc = fut.exception()
@@ -293,6 +300,8 @@ class HostRouter:
                     results[i] = ExecutionResult.failure(str(exc), slot.slot_id, "sandbox_died")
                 else:
                     results[i] = ExecutionResult.failure(f"{type(exc).__name__}: {exc}", slot.slot_id, "lost")
+        for i, (span, started) in spans.items():
+            tracing.end_call_span(span, started, results[i])
         return results
 
     async def usage(self, slot: Slot, disk: bool = True) -> Any:

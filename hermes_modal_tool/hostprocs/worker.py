@@ -235,7 +235,9 @@ def main(argv: list[str]) -> None:
     """Serve until the router closes the request socket (``argv``: the two socket fds and
     the router's pid)."""
     parent = int(argv[3])
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc.prctl(15, b"hmt-host")  # PR_SET_NAME: what ps and /proc/PID/comm show
     if os.getppid() != parent:  # the router ended before the line above took effect
         sys.exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the router's to handle
