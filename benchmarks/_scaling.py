@@ -31,7 +31,7 @@ from typing import Any
 
 from _engine_backends import cfg, started
 from _floors import raw_bash_throughput
-from _proc import descendants, proc_kind
+from _proc import descendants, host_cpu_s, proc_kind
 from _rounds import echo_rounds, warm_up
 
 perf = time.perf_counter
@@ -85,7 +85,8 @@ def cpu_by_kind() -> dict[str, float]:
     """CPU seconds so far of this process ("host") and of its live descendants by kind
     (``_proc.proc_kind``), every thread of each (``/proc/PID/task/*/schedstat``, ns):
     ``_proc.cpu_by_kind`` reads main threads only, and an agent's standby work runs in
-    its worker threads."""
+    its worker threads. "host" leaves out the walks' own CPU (``_proc.host_cpu_s``)."""
+    started = time.process_time()
     out: dict[str, float] = {}
     for pid in descendants(os.getpid()):
         kind = proc_kind(pid)
@@ -97,7 +98,7 @@ def cpu_by_kind() -> dict[str, float]:
         except (OSError, ValueError, IndexError):
             continue
         out[kind] = out.get(kind, 0.0) + total
-    out["host"] = time.process_time()
+    out["host"] = host_cpu_s(started)
     return out
 
 
