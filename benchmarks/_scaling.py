@@ -310,6 +310,11 @@ def render(sc: dict[str, Any]) -> str:
                       "floor": round(r["floor_calls_per_s"]), "ratio": round(r["ratio"], 3),
                       "us_per_call": {p: round(v, 1) for p, v in parts.items()},
                       "host_sleeps_per_round": None if sleeps is None else round(sleeps, 1),
+                      # one backend over K host processes: the caller's process (the router)
+                      # and the K processes, apart
+                      "host_us_by_process": {"router": round(cpu.get("host", 0.0), 1),
+                                             "host_processes": round(cpu.get("hmt-host", 0.0), 1)}
+                      if r.get("split") == "backend" else None,
                       "wrong": r["wrong_outputs"]})
     lines.append("")
     lines.append(f"host frame work alone: encode a request {fr['encode_request']:.1f} µs, decode a reply and "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import io
 import os
 import signal
@@ -216,3 +217,21 @@ def _descendants(root: int) -> dict:
         frontier = {pid for pid, p in procs.items() if p.ppid in frontier and pid not in found}
         found.update({pid: procs[pid] for pid in frontier})
     return found
+
+
+def test_section_s_measures_one_backend_over_host_processes() -> None:
+    """The README's command, tiny: a row of one ToolBackend(host_processes=2) whose CPU is
+    split into the caller's (router) and the host processes' (named ``hmt-host``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "engine.py"), "--quick",
+                          "--sections", "s", "--no-swerex", "--counts", "2", "--loops", "asyncio",
+                          "--host-processes", "2", "--scale-slots", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    [line] = [ln for ln in run.stdout.splitlines() if ln.startswith("SCALING_JSON ")]
+    rows = json.loads(line.split(" ", 1)[1])["rows"]
+    [one, split] = rows
+    assert (one["host_processes"], split["host_processes"], split["split"]) == (1, 2, "backend")
+    assert one["wrong"] == split["wrong"] == 0 and split["calls_per_s"] > 0
+    assert split["host_us_by_process"]["router"] > 0 and split["host_us_by_process"]["host_processes"] > 0
+    assert "cleanup: CLEAN" in run.stdout
