@@ -32,6 +32,7 @@ from .net import tunnels
 from .setup import Setup
 from .shells import ptyprocs, spawner, streaming
 from .shells.shell import SPAWN_THREADS
+from .slot import HELD_IN_RESET
 from .state import ops as state_ops
 
 #: Idle slots whose shells are started before their first call, in the order the host
@@ -127,6 +128,9 @@ class Agent(Setup, Calls, DiskWatch):
     def on_message(self, msg):
         op = msg.get("op")
         mid = msg.get("id")
+        slot = self.slots.get(msg.get("slot")) if op in HELD_IN_RESET else None
+        if slot is not None and slot.held_for_reset(msg):
+            return  # served when the slot's reset is over (SlotRuntime.held_for_reset)
         if op == "call":
             slot = self.slots.get(msg.get("slot"))
             if slot is None:
@@ -223,6 +227,7 @@ class Agent(Setup, Calls, DiskWatch):
             self.stop_current(slot, "the slot was reset before this call ran")
             await slot.idle.wait()
         slot.set_busy(mid)
+        slot.resetting = []
         ptyprocs.forget(self, slot.index)  # the reset kills them
         file_streams.drop_slot(self, slot.index)  # its transfers stop writing the old layer
         tunnels.drop_slot(self, slot.index)  # connections into the old tenant's ports close
@@ -252,7 +257,10 @@ class Agent(Setup, Calls, DiskWatch):
                 # under load the shell starts on first use instead.
                 self.prestart(slot)
         finally:
+            held, slot.resetting = slot.resetting, None
             slot.set_idle()
+            for msg in held:
+                self.on_message(msg)
 
     # -- admission: commands start when counted and their shell is ready ------------
     @property

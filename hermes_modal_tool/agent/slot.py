@@ -15,6 +15,9 @@ from .limits import diskwatch, isolation
 from .shells.shell import Shell
 from .state import snapshots
 
+#: Ops whose opening message waits out the slot's reset (:meth:`SlotRuntime.held_for_reset`).
+HELD_IN_RESET = frozenset(("upload", "download", "tunnel", "process", "checksum", "usage"))
+
 #: Shared temporary directories a slot without namespaces can write (purged on reset).
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -65,6 +68,7 @@ class SlotRuntime:
         self.busy = False
         self.idle = asyncio.Event()
         self.idle.set()
+        self.resetting = None  # during a reset: the messages held until it is over
         self.shell = Shell(self, agent.loop)
         self.background_sids = []
         self.bg_counter = 0
@@ -274,6 +278,19 @@ class SlotRuntime:
                     snapshots.store(self.agent).layer_gone(old)  # a fork's or snapshot's layer
                 self.root.swap()
                 self.agent.layer_work(self.root, old)
+
+    def held_for_reset(self, msg):
+        """Keep ``msg`` until this slot's reset is over (True) if it opens something on the
+        slot (a transfer, a tunnel) or asks about its processes, files or usage (False: not
+        resetting, or a message to something already open). The reset answers the host
+        once the old tenant's processes are killed, before its layer is swapped or its
+        workspace emptied, and the next tenant may ask at once: served then, an upload
+        would land in the old layer (lost) and a download would read the old tenant's files.
+        Calls, snapshots and forks wait on their own (the slot stays busy meanwhile)."""
+        if self.resetting is None or msg.get("stream") is not None or msg.get("tunnel") is not None:
+            return False
+        self.resetting.append(msg)
+        return True
 
     def in_netns(self, fn):
         """``fn()`` in this slot's network namespace with ``network: egress`` (set up on
