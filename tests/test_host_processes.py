@@ -235,3 +235,24 @@ def test_section_s_measures_one_backend_over_host_processes() -> None:
     assert one["wrong"] == split["wrong"] == 0 and split["calls_per_s"] > 0
     assert split["host_us_by_process"]["router"] > 0 and split["host_us_by_process"]["host_processes"] > 0
     assert "cleanup: CLEAN" in run.stdout
+
+
+def test_the_batch_command_spreads_its_trajectories_over_host_processes(tmp_path) -> None:
+    from cli_helpers import bash as call
+    from cli_helpers import run, write_jsonl
+
+    (tmp_path / "up.txt").write_text("uploaded\n")
+    rows = [{"id": f"t{i}", "calls": [call(f"echo t{i} > mine.txt && cat mine.txt", output_contains=f"t{i}")]}
+            for i in range(4)]
+    rows.append({"id": "child", "fork": "t0", "calls": [call("cat mine.txt", output_contains="t0")]})
+    rows.append({"id": "files", "calls": [{"tool": "upload", "args": {"local": str(tmp_path / "up.txt"),
+                                                                      "remote": "up.txt"}},
+                                          call("cat up.txt", output_contains="uploaded")]})
+    batch = write_jsonl(tmp_path / "batch.jsonl", rows)
+    out = tmp_path / "results.jsonl"
+    result = run("batch", str(batch), "-o", str(out), "--no-progress", "--slots-per-sandbox", "2",
+                 "--max-sandboxes", "2", "--host-processes", "2")
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["ok"] for r in records), records
+    assert {r["slot_id"].split("-")[-1].split(".")[0] for r in records} == {"h0", "h1"}

@@ -256,12 +256,13 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
 
 async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxConfig], default: str,
                     timeout: float | None, writer: OrderedWriter, progress: ProgressReport,
-                    use_forks: bool = True) -> dict[str, Any]:
+                    use_forks: bool = True, host_processes: int = 1) -> dict[str, Any]:
     """Run every trajectory concurrently (bounded by each pool's slots); return summary figures.
 
     ``use_forks`` False: each trajectory redoes its setup (and a fork's source's calls)
-    in its own slot, for a comparison with the same file run with forks."""
-    backend = ToolBackend(profiles=profiles, default_profile=default)
+    in its own slot, for a comparison with the same file run with forks.
+    ``host_processes``: the backend's sandboxes spread over that many host processes."""
+    backend = ToolBackend(profiles=profiles, default_profile=default, host_processes=host_processes)
     stats = Stats()
     t_start = time.monotonic()
     ok = 0
@@ -364,9 +365,12 @@ def summary_table(s: Mapping[str, Any]) -> Table:
 @click.option("--no-fork", is_flag=True,
               help="No forks or shared setups: each trajectory redoes its setup (and its fork "
                    "source's calls) in its own slot (for comparison).")
+@click.option("--host-processes", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Spread each profile's sandboxes over this many host processes, each on its "
+                   "own core (ToolBackend(host_processes=K)).")
 def batch(file: str, output: str | None, profiles_file: str | None, profile: str | None,
           slots_per_sandbox: int | None, max_sandboxes: int | None, timeout: float | None,
-          no_progress: bool, no_fork: bool, strict: bool) -> None:
+          no_progress: bool, no_fork: bool, strict: bool, host_processes: int) -> None:
     """Run the trajectories of FILE (JSONL), each in its own slot, all at once.
 
     Each line: {"id": str, "profile": str?, "meta": any?, "setup": [str]?, "fork":
@@ -406,7 +410,8 @@ def batch(file: str, output: str | None, profiles_file: str | None, profile: str
     try:
         with ProgressReport(console, total, not no_progress) as progress:
             summary = run_stoppable(run_batch(trajectories, profiles, default, timeout,
-                                             OrderedWriter(stream), progress, use_forks=not no_fork))
+                                             OrderedWriter(stream), progress, use_forks=not no_fork,
+                                             host_processes=host_processes))
     except HermesModalToolError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         sys.exit(1)

@@ -127,6 +127,8 @@ class RouterData:
     async def release_snapshot(self, snapshot: SlotSnapshot) -> None:
         self._check_open()
         host = self._snap_host(snapshot)
+        if snapshot.released:  # releasing twice is fine (as ToolBackend's)
+            return
         if host.alive:
             await self._ask(host, "release_snapshot", snapshot)
         snapshot.released = True

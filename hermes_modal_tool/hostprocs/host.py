@@ -10,6 +10,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,9 @@ log = logging.getLogger("hermes_modal_tool")
 STATUS_WAIT_S = 5.0
 #: Seconds a host process has to stop its sandboxes and exit before it is killed.
 STOP_WAIT_S = 60.0
+#: A replacement host process that exits sooner than this after it started is not
+#: replaced again (a crash at start would otherwise be restarted over and over).
+SHORTEST_LIFE_S = 10.0
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -44,8 +49,10 @@ class HostProc:
         self.on_lost = on_lost
         self.held: dict[str, int] = dict.fromkeys(shares, 0)
         self.alive = False
+        self.ready_at: float | None = None  # time.monotonic() when it accepted its settings
         self.died: str | None = None
         self.pid = 0
+        self._status_lock = threading.Lock()  # get_status may be called from other threads
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._events: dict[int, Callable[[Any], None]] = {}
@@ -84,6 +91,7 @@ class HostProc:
         self._pump = asyncio.create_task(self._read(reader), name=f"hmt-host-{self.index}")
         try:
             await self.request("init", {**init, "index": self.serial})
+            self.ready_at = time.monotonic()
         except BaseException as exc:
             await self.close(kill=True)
             raise SandboxStartError(f"host process {self.index} did not start: {exc}") from exc
@@ -169,8 +177,12 @@ class HostProc:
             queue.put_nowait(wire.HostProcessGone(self.gone()))
         self._events.clear()
         self._items.clear()
-        if self.on_lost is not None:
-            self.on_lost(self)
+        if self.on_lost is not None and self.ready_at is not None:
+            replacement = self.serial != self.index
+            if not replacement or time.monotonic() - self.ready_at >= SHORTEST_LIFE_S:
+                self.on_lost(self)
+            else:
+                log.error("%s within %.0f s of its start: not replaced", self.gone(), SHORTEST_LIFE_S)
 
     def credit_for(self, rid: int) -> asyncio.Semaphore:
         """Flow control of an upload stream: a permit per piece the process may still take."""
@@ -181,6 +193,10 @@ class HostProc:
         """The process's ``get_status()`` (None: exited or no answer within STATUS_WAIT_S).
 
         Blocks the caller up to STATUS_WAIT_S (``get_status`` is synchronous)."""
+        with self._status_lock:
+            return self._ask_status()
+
+    def _ask_status(self) -> dict[str, Any] | None:
         sock = self._status
         if not self.alive or sock is None:
             return None

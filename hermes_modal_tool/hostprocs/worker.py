@@ -12,6 +12,7 @@ process ends, and a clean ``stop()`` of its backend when the request socket clos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import pickle
@@ -24,7 +25,7 @@ from typing import Any
 
 from .. import loops
 from ..backend import ToolBackend
-from ..errors import HermesModalToolError, UsageError
+from ..errors import HermesModalToolError, SandboxError, UsageError
 from ..previews import Preview
 from ..slots import Slot
 from ..snapshots import SlotSnapshot
@@ -45,6 +46,7 @@ class HostProcess:
         self.backend: ToolBackend | None = None
         self.slots: dict[str, Slot] = {}  # lease id -> slot
         self.snaps: dict[str, SlotSnapshot] = {}
+        self.released: set[str] = set()  # ids of snapshots released here
         self.previews: list[Preview] = []
         self.tasks: dict[int, asyncio.Task] = {}
         self.credits: dict[int, asyncio.Semaphore] = {}
@@ -86,7 +88,8 @@ class HostProcess:
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         await self.backend.stop()
-        await self.writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await self.writer.drain()
 
     async def answer(self, rid: int, op: str, payload: Any) -> None:
         try:
@@ -95,15 +98,16 @@ class HostProcess:
             else:
                 value = await self.call(rid, *payload)
             self.send((rid, "ok", value))
-        except asyncio.CancelledError:
-            self.send((rid, "err", asyncio.CancelledError()))
+        except asyncio.CancelledError:  # the router's cancel (it no longer waits), or stop
+            self.send((rid, "err", SandboxError("the call was cancelled in its host process")))
         except BaseException as exc:  # every failure goes back to the router's caller
             self.send((rid, "err", _portable(exc)))
         finally:
             self.tasks.pop(rid, None)
             self.credits.pop(rid, None)
             self.chunks.pop(rid, None)
-        await self.writer.drain()
+        with contextlib.suppress(ConnectionError):  # the router is gone: nobody to answer
+            await self.writer.drain()
 
     async def batch(self, rid: int, items: list[tuple], timeout_s: float | None, events: bool) -> list[tuple]:
         assert self.backend is not None
@@ -130,6 +134,7 @@ class HostProcess:
                 self.slots.pop(slot.lease_id, None)
         if method == "release_snapshot":
             self.snaps.pop(args[0].snapshot_id, None)
+            self.released.add(args[0].snapshot_id)
         return self.pack(value), [wire.slot_view(s) for s in slots]
 
     def use_image(self, profile: str, image: str) -> None:
@@ -170,6 +175,8 @@ class HostProcess:
             return self.slot(arg.lease_id, arg.slot_id, arg.profile)
         if isinstance(arg, wire.SnapRef):
             snap = self.snaps.get(arg.snapshot_id)
+            if snap is None and arg.snapshot_id in self.released:
+                raise UsageError(f"snapshot {arg.snapshot_id} was released; take a new one")
             if snap is None:
                 raise UsageError(f"snapshot {arg.snapshot_id} does not belong to this backend")
             return snap
