@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import io
+import json
 import os
 import signal
 import subprocess
