@@ -65,7 +65,8 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
             ``ModalDriver``).
         host_processes: K > 1 spreads each profile's sandboxes over K host processes
             (each its own event loop on its own core, owning its share of ``min_sandboxes``
-            and ``max_sandboxes``) behind this same API; 1 (default): all in this process.
+            and ``max_sandboxes``) behind this same API; 1: all in this process; None
+            (default): ``HERMES_MODAL_TOOL_HOST_PROCESSES``, else 1.
             See ``hostprocs/router.py`` for what differs (a fork's slots come from the
             process holding its source; a file object is copied through a temporary file).
 
@@ -73,10 +74,10 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         ConfigError: bad profiles, driver options or ``host_processes``.
     """
 
-    def __new__(cls, *args: Any, host_processes: int = 1, **kwargs: Any) -> ToolBackend:
-        if isinstance(host_processes, bool) or not isinstance(host_processes, int) or host_processes < 1:
-            raise ConfigError(f"host_processes must be a whole number >= 1, got {host_processes!r}")
-        if host_processes == 1 or getattr(cls, "_split", False):
+    def __new__(cls, *args: Any, host_processes: int | None = None, **kwargs: Any) -> ToolBackend:
+        from .hostprocs import resolve_host_processes
+
+        if resolve_host_processes(host_processes) == 1 or getattr(cls, "_split", False):
             return super().__new__(cls)
         from .hostprocs.router import split_class
 
@@ -91,7 +92,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         default_profile: str | None = None,
         app_name: str | None = None,
         driver_options: Mapping[str, Any] | None = None,
-        host_processes: int = 1,
+        host_processes: int | None = None,
     ) -> None:
         if config is not None and profiles is not None:
             raise UsageError("give either config or profiles, not both")
@@ -136,6 +137,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         self._snapshots = Snapshots(self)
         self._setups = SharedSetups(self)
         self._id_tag = ""  # in sandbox and snapshot ids; a host process's: "h{index}."
+        self.host_processes = 1  # a split backend's (hostprocs/router.py) sets its own
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:

@@ -56,6 +56,19 @@ def test_bad_host_processes_is_refused_by_value(bad: object) -> None:
     assert repr(bad) in str(err.value)
 
 
+def test_the_environment_gives_the_default(monkeypatch) -> None:
+    monkeypatch.setenv("HERMES_MODAL_TOOL_HOST_PROCESSES", "3")
+    assert ToolBackend(SandboxConfig(**SMALL)).host_processes == 3  # (nothing starts before start())
+    assert ToolBackend(SandboxConfig(**SMALL), host_processes=1).host_processes == 1
+    assert type(ToolBackend(SandboxConfig(**SMALL), host_processes=1)) is ToolBackend
+    monkeypatch.setenv("HERMES_MODAL_TOOL_HOST_PROCESSES", "two")
+    with pytest.raises(ConfigError, match="HERMES_MODAL_TOOL_HOST_PROCESSES='two'"):
+        ToolBackend(SandboxConfig(**SMALL))
+    monkeypatch.setenv("HERMES_MODAL_TOOL_HOST_PROCESSES", "0")
+    with pytest.raises(ConfigError, match="HERMES_MODAL_TOOL_HOST_PROCESSES='0'.*got 0"):
+        ToolBackend(SandboxConfig(**SMALL))
+
+
 async def test_sandboxes_are_spread_over_the_host_processes(make_backend) -> None:
     backend = await make_backend(slots_per_sandbox=2, min_sandboxes=2, max_sandboxes=4, host_processes=2)
     slots = [await backend.acquire(f"t{i}") for i in range(4)]

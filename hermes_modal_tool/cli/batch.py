@@ -256,12 +256,13 @@ async def run_trajectory(backend: ToolBackend, traj: Trajectory, timeout: float 
 
 async def run_batch(trajectories: list[Trajectory], profiles: dict[str, SandboxConfig], default: str,
                     timeout: float | None, writer: OrderedWriter, progress: ProgressReport,
-                    use_forks: bool = True, host_processes: int = 1) -> dict[str, Any]:
+                    use_forks: bool = True, host_processes: int | None = None) -> dict[str, Any]:
     """Run every trajectory concurrently (bounded by each pool's slots); return summary figures.
 
     ``use_forks`` False: each trajectory redoes its setup (and a fork's source's calls)
     in its own slot, for a comparison with the same file run with forks.
-    ``host_processes``: the backend's sandboxes spread over that many host processes."""
+    ``host_processes``: the backend's sandboxes spread over that many host processes
+    (None: ``HERMES_MODAL_TOOL_HOST_PROCESSES``, else 1)."""
     backend = ToolBackend(profiles=profiles, default_profile=default, host_processes=host_processes)
     stats = Stats()
     t_start = time.monotonic()
@@ -365,12 +366,12 @@ def summary_table(s: Mapping[str, Any]) -> Table:
 @click.option("--no-fork", is_flag=True,
               help="No forks or shared setups: each trajectory redoes its setup (and its fork "
                    "source's calls) in its own slot (for comparison).")
-@click.option("--host-processes", type=click.IntRange(1, 256), default=1, show_default=True,
+@click.option("--host-processes", type=click.IntRange(1, 256), default=None,
               help="Spread each profile's sandboxes over this many host processes, each on its "
-                   "own core (ToolBackend(host_processes=K)).")
+                   "own core (ToolBackend(host_processes=K)) [$HERMES_MODAL_TOOL_HOST_PROCESSES, else 1].")
 def batch(file: str, output: str | None, profiles_file: str | None, profile: str | None,
           slots_per_sandbox: int | None, max_sandboxes: int | None, timeout: float | None,
-          no_progress: bool, no_fork: bool, strict: bool, host_processes: int) -> None:
+          no_progress: bool, no_fork: bool, strict: bool, host_processes: int | None) -> None:
     """Run the trajectories of FILE (JSONL), each in its own slot, all at once.
 
     Each line: {"id": str, "profile": str?, "meta": any?, "setup": [str]?, "fork":

@@ -33,7 +33,7 @@ from ..errors import ConfigError, SandboxDiedError, UsageError
 from ..previews import Preview
 from ..slots import ExecutionResult, OutputEvent, Slot, SlotState
 from ..snapshots import SlotSnapshot
-from . import wire
+from . import resolve_host_processes, wire
 from ._router_data import RouterData, merge_statuses, split_shares
 from .host import HostProc
 
@@ -54,9 +54,9 @@ class HostRouter:
     """The methods of ToolBackend that reach sandboxes, routed to host processes (see the
     module's docstring). Every other method is built on these."""
 
-    def __init__(self, *args: Any, host_processes: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, host_processes: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        self.host_processes = host_processes
+        self.host_processes = resolve_host_processes(host_processes)
         self._hosts: list[HostProc] = []
         self._exited: list[HostProc] = []  # replaced; their slots' calls fail, releases pass
         self._replacing: set[asyncio.Task] = set()

@@ -59,7 +59,7 @@ class HostProcess:
         rid, _op, init = await wire.read_frame(self.reader)
         index = init.pop("index")
         try:
-            self.backend = ToolBackend(**init)
+            self.backend = ToolBackend(**init, host_processes=1)
         except Exception as exc:  # noqa: BLE001 - refused settings go back to the router
             self.send((rid, "err", _portable(exc)))
             return
