@@ -22,7 +22,7 @@ answering, not a call's timeout (the agent enforces that), one per group is enou
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import tracing
@@ -110,11 +110,30 @@ def parse_request(i: int, req: Any) -> tuple[Slot, str, Mapping[str, Any]] | Exe
     return slot, tool, args
 
 
-def check_timeout(timeout_s: Any) -> None:
-    """Raises UsageError unless ``timeout_s`` is None or a positive number of seconds."""
+def checked_requests(requests: Any, timeout_s: Any, results: list[Any]
+                     ) -> Iterator[tuple[int, Slot, str, Mapping[str, Any]]]:
+    """The well-formed requests of a batch as ``(index, slot, tool, args)``; each refused
+    one's failed result put in ``results`` at its index (:func:`parse_request`).
+
+    Raises:
+        UsageError: ``requests`` is not a sequence, or ``timeout_s`` is neither None nor a
+            positive number of seconds (when called, before any request is looked at).
+    """
+    if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
+        raise UsageError(f"requests must be a list of (slot, tool, args), got {type(requests).__name__}")
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or not timeout_s > 0):
         raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return _parsed(requests, results)
+
+
+def _parsed(requests: Sequence[Any], results: list[Any]) -> Iterator[tuple[int, Slot, str, Mapping[str, Any]]]:
+    for i, req in enumerate(requests):
+        parsed = parse_request(i, req)
+        if type(parsed) is ExecutionResult:
+            results[i] = parsed
+        else:
+            yield (i, *parsed)  # type: ignore[misc]
 
 
 def _bad_request(error: str, slot_id: str | None = None) -> ExecutionResult:

@@ -27,7 +27,7 @@ from typing import Any
 from . import tracing
 from ._artifact_api import ArtifactMethods
 from ._call_api import CallMethods, execute_streamed
-from ._call_group import check_timeout, execute_grouped, parse_request
+from ._call_group import checked_requests, execute_grouped
 from ._snapshot_api import SnapshotMethods
 from ._status_api import StatusMethods
 from .config import ModalSandboxConfig, SandboxConfig, load_profiles
@@ -421,22 +421,15 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         processes are killed) and re-raises CancelledError.
         """
         self._check_open()
-        if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
-            raise UsageError(f"requests must be a list of (slot, tool, args), got {type(requests).__name__}")
-        check_timeout(timeout_s)
-        results: list[ExecutionResult | None] = [None] * len(requests)
+        results: list[ExecutionResult | None] = [None] * len(requests) if isinstance(requests, Sequence) else []
+        checked = checked_requests(requests, timeout_s, results)
         grouped = on_output is None
         valid = []  # the requests that pass the checks, (index, slot, tool, args, pool)
         # Grouped: those by the sandbox of their slot's lease (None for a slot whose lease
         # is gone: its call fails when submitted), in first-use order, each sandbox's in
         # input order (so that a slot's calls keep theirs).
         by_sandbox: dict[Any, list[tuple]] = {}
-        for i, req in enumerate(requests):
-            parsed = parse_request(i, req)
-            if type(parsed) is ExecutionResult:
-                results[i] = parsed
-                continue
-            slot, tool, args = parsed  # type: ignore[misc]
+        for i, slot, tool, args in checked:
             pool = self._pools.get(slot.profile)
             if pool is None:
                 results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",

@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from .. import tracing
-from .._call_group import check_timeout, parse_request
+from .._call_group import checked_requests
 from ..errors import ConfigError, SandboxDiedError, UsageError
 from ..previews import Preview
 from ..slots import ExecutionResult, OutputEvent, Slot, SlotState
@@ -253,17 +253,10 @@ class HostRouter:
                             timeout_s: float | None = None,
                             on_output: Callable[[OutputEvent], Any] | None = None) -> list[ExecutionResult]:
         self._check_open()  # type: ignore[attr-defined]
-        if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
-            raise UsageError(f"requests must be a list of (slot, tool, args), got {type(requests).__name__}")
-        check_timeout(timeout_s)
-        results: list[Any] = [None] * len(requests)
+        results: list[Any] = [None] * len(requests) if isinstance(requests, Sequence) else []
+        checked = checked_requests(requests, timeout_s, results)
         groups: dict[HostProc, tuple[list[int], list[tuple]]] = {}
-        for i, req in enumerate(requests):
-            parsed = parse_request(i, req)
-            if type(parsed) is ExecutionResult:
-                results[i] = parsed
-                continue
-            slot, tool, args = parsed  # type: ignore[misc]
+        for i, slot, tool, args in checked:
             host = slot._sandbox
             group = groups.get(host)
             if group is None:
