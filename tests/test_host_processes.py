@@ -116,8 +116,10 @@ async def test_objects_cross_between_host_processes(make_backend, tmp_path) -> N
     proc = await backend.start_process(b, "cat", pty=False)
     await proc.write(b"through the router\n")
     assert b"through the router" in await proc.read_until(b"router")
+    assert imported.holders() == ["caller", "fork"]  # as ToolBackend's: the caller, each held fork
     await backend.release_snapshot(snap)
     await backend.release_snapshot(imported)
+    assert imported.holders() == ["fork"]
     [live] = backend.get_status()["snapshots"]  # the imported one: its fork still holds it
     assert live["snapshot_id"] == imported.snapshot_id and live["holders"] == ["fork"]
     await backend.release(forked)

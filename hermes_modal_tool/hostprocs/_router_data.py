@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -118,7 +119,10 @@ class RouterData:
             host = self._host_of(slot_or_snapshot)
         else:
             host = self._snap_host(slot_or_snapshot)
-        return await self._ask(host, "fork", slot_or_snapshot, n, trajectory_ids)  # type: ignore[no-any-return]
+        slots: list[Slot] = await self._ask(host, "fork", slot_or_snapshot, n, trajectory_ids)
+        if isinstance(slot_or_snapshot, SlotSnapshot):
+            slot_or_snapshot._forks.extend(weakref.ref(s) for s in slots)
+        return slots
 
     async def setup_snapshot(self, setup: str | list[str], profile: str | None = None) -> SlotSnapshot:
         self._check_open()

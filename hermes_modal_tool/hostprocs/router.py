@@ -144,7 +144,7 @@ class HostRouter:
             host.held[slot.profile] = host.held.get(slot.profile, 0) + 1
             return slot
         if value.kind == "snapshot":
-            snap = SlotSnapshot(**value.fields)
+            snap = RoutedSnapshot(**value.fields)
             self._snap_hosts[snap.snapshot_id] = host
             return snap
         preview = Preview(**value.fields)
@@ -321,6 +321,20 @@ class HostRouter:
     async def _pool(self, name: str) -> Any:
         raise ConfigError(f"profile {name!r}: with host_processes={self.host_processes} its pool lives "
                           "in the host processes, not in this one")
+
+
+class RoutedSnapshot(SlotSnapshot):
+    """A snapshot held by a host process, as the caller sees it: its forks are the
+    caller's slots (``holders`` reads their state here)."""
+
+    def holders(self) -> list[str]:
+        out = [] if self.released else ["caller"]
+        for ref in self._forks:
+            slot = ref()
+            if slot is not None and slot.state not in (SlotState.AVAILABLE, SlotState.ERROR,
+                                                       SlotState.RELEASING):
+                out.append(slot.trajectory_id or slot.slot_id)
+        return out
 
 
 def _relay(indices: list[int], on_output: Callable[[OutputEvent], Any] | None) -> Callable[[Any], None] | None:
