@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from cli_helpers import bash, run, write_jsonl
 
 from hermes_modal_tool import cli
@@ -59,12 +60,18 @@ def test_strict_refuses_loose_expectations_and_the_example_passes_it() -> None:
     assert "--strict" in (ROOT / "scripts" / "main.sh").read_text()
 
 
-def test_the_main_job_under_strict_expectations(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host_processes", ["1", "2"])
+def test_the_main_job_under_strict_expectations(tmp_path: Path, host_processes: str) -> None:
+    """The main job, in one host process and spread over two (``--host-processes``)."""
     out = tmp_path / "results.jsonl"
-    result = run("batch", str(EXAMPLE), "--strict", "-o", str(out), "--no-progress")
+    result = run("batch", str(EXAMPLE), "--strict", "-o", str(out), "--no-progress",
+                 "--host-processes", host_processes)
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 64 and all(r["ok"] for r in records), [r["id"] for r in records if not r["ok"]]
+    # Sandbox ids carry their host process ("default-h1.0"), with more than one.
+    hosts = {r["slot_id"].rsplit("-", 1)[-1].split(".")[0] for r in records if "." in r["slot_id"]}
+    assert hosts == ({"h0", "h1"} if host_processes == "2" else set()), hosts
     cd_export = next(r for r in records if r["id"] == "fizzbuzz-cd_export")
     assert any(s["output"].strip().endswith("/proj") and s["returncode"] == 0 for s in cd_export["steps"])
 
