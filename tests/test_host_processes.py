@@ -271,3 +271,20 @@ def test_the_batch_command_spreads_its_trajectories_over_host_processes(tmp_path
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(r["ok"] for r in records), records
     assert {r["slot_id"].split("-")[-1].split(".")[0] for r in records} == {"h0", "h1"}
+
+
+async def test_snapshot_sandbox_gives_every_host_process_the_image(make_backend, modal_server) -> None:
+    """``snapshot_sandbox(use=True)`` runs in one host process; the new image becomes the
+    profile's in all of them (their next sandboxes start from it)."""
+    backend = await make_backend(driver="modal", slots_per_sandbox=1, min_sandboxes=2, max_sandboxes=4,
+                                 host_processes=2)
+    image_id = await backend.snapshot_sandbox(setup=["mkdir -p /workspace/shared && echo prepared > "
+                                                     "/workspace/shared/marker"])
+    assert backend.profile().image == image_id
+    held = [await backend.acquire(f"t{i}") for i in range(4)]  # 2 warm sandboxes, then 2 new ones
+    new = [s for s in held if s.sandbox_id.endswith(".1")]
+    assert {s.sandbox_id.split("-")[-1].split(".")[0] for s in new} == {"h0", "h1"}, [s.sandbox_id for s in held]
+    for slot in new:
+        assert (await bash(backend, slot, "cat /workspace/shared/marker")).output == "prepared\n"
+    running = [r.image_id for r in modal_server.sandboxes.values() if r.status == "running"]
+    assert running.count(image_id) == 2, running

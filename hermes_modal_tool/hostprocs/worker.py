@@ -122,9 +122,9 @@ class HostProcess:
             raise UsageError(f"host process: no method {method!r}")
         args = tuple(self.resolve(rid, a) for a in args)
         if method == "use_image":
-            return self.use_image(*args)
+            return self.use_image(*args), []
         if method == "get_status":
-            return self.backend.get_status()
+            return self.backend.get_status(), []
         if method == "export_snapshot":
             return await self.stream(rid, self.backend.export_snapshot(args[0]))
         value = await getattr(self.backend, method)(*args, **kwargs)
