@@ -26,7 +26,7 @@ from support import SMALL, agent_processes, bash, eventually, processes
 from test_tracing import spans  # noqa: F401 - the fixture
 
 from hermes_modal_tool import SandboxConfig, ToolBackend
-from hermes_modal_tool.errors import ConfigError
+from hermes_modal_tool.errors import ConfigError, SnapshotError, UsageError
 from hermes_modal_tool.hostprocs import router
 from hermes_modal_tool.hostprocs._router_data import RouterData
 
@@ -288,3 +288,17 @@ async def test_snapshot_sandbox_gives_every_host_process_the_image(make_backend,
         assert (await bash(backend, slot, "cat /workspace/shared/marker")).output == "prepared\n"
     running = [r.image_id for r in modal_server.sandboxes.values() if r.status == "running"]
     assert running.count(image_id) == 2, running
+
+
+async def test_a_bad_import_fails_at_once_and_names_what_was_wrong(make_backend) -> None:
+    backend = await make_backend(host_processes=2)
+    with pytest.raises(UsageError, match="got int"):
+        await backend.import_snapshot(42)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="each chunk must be bytes, got str"):
+        await backend.import_snapshot([b"x" * 10, "text"])  # type: ignore[list-item]
+    # A stream of more pieces than the host process takes unanswered, which it refuses:
+    # the refusal comes back, and the backend goes on.
+    with pytest.raises(SnapshotError):
+        await asyncio.wait_for(backend.import_snapshot([b"not a tar stream " * 4096] * 64), 30)
+    slot = await backend.acquire("still-fine")
+    assert (await bash(backend, slot, "echo ok")).output == "ok\n"

@@ -266,7 +266,12 @@ def _copy_bytes(src: Any, dst: Any, n: int) -> None:
 
 
 async def _pieces(data: Any) -> AsyncIterator[bytes]:
-    """An import's data as pieces of at most 1 MiB: bytes, an iterable or an async iterable."""
+    """An import's data as pieces of at most 1 MiB: bytes, an iterable or an async iterable
+    of bytes.
+
+    Raises:
+        UsageError: anything else (as ``transfer.import_chunks`` words it).
+    """
     if isinstance(data, (bytes, bytearray, memoryview)):
         view = memoryview(data)
         for at in range(0, len(view), 1 << 20):
@@ -274,10 +279,16 @@ async def _pieces(data: Any) -> AsyncIterator[bytes]:
         return
     if isinstance(data, AsyncIterable):
         async for piece in data:
-            yield piece
-        return
-    if isinstance(data, Iterable):
+            yield _bytes(piece)
+    elif isinstance(data, Iterable):
         for piece in data:
-            yield piece
-        return
-    yield data  # not bytes at all: the host process's import names it
+            yield _bytes(piece)
+    else:
+        raise UsageError(f"import_snapshot takes bytes or an (async) iterable of bytes, "
+                         f"got {type(data).__name__}")
+
+
+def _bytes(piece: Any) -> Any:
+    if not isinstance(piece, (bytes, bytearray, memoryview)):
+        raise UsageError(f"import_snapshot: each chunk must be bytes, got {type(piece).__name__}")
+    return piece

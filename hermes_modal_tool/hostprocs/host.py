@@ -148,6 +148,9 @@ class HostProc:
                         credit.release()
                 else:
                     self._events.pop(rid, None)
+                    credit = self._credits.pop(rid, None)
+                    if credit is not None:  # a sender waiting for room sees the answer
+                        credit.release()
                     queue = self._items.pop(rid, None)
                     if queue is not None:
                         queue.put_nowait(wire.END)
@@ -175,6 +178,9 @@ class HostProc:
                 fut.set_exception(wire.HostProcessGone(self.gone()))
         for queue in self._items.values():
             queue.put_nowait(wire.HostProcessGone(self.gone()))
+        for credit in self._credits.values():
+            credit.release()
+        self._credits.clear()
         self._events.clear()
         self._items.clear()
         if self.on_lost is not None and self.ready_at is not None:
