@@ -110,10 +110,11 @@ def parse_request(i: int, req: Any) -> tuple[Slot, str, Mapping[str, Any]] | Exe
     return slot, tool, args
 
 
-def checked_requests(requests: Any, timeout_s: Any, results: list[Any]
-                     ) -> Iterator[tuple[int, Slot, str, Mapping[str, Any]]]:
-    """The well-formed requests of a batch as ``(index, slot, tool, args)``; each refused
-    one's failed result put in ``results`` at its index (:func:`parse_request`).
+def checked_requests(requests: Any, timeout_s: Any
+                     ) -> tuple[list[Any], Iterator[tuple[int, Slot, str, Mapping[str, Any]]]]:
+    """A batch's results list (one None per request) and its well-formed requests as
+    ``(index, slot, tool, args)``; each refused one's failed result is put in the list at
+    its index as they are iterated (:func:`parse_request`).
 
     Raises:
         UsageError: ``requests`` is not a sequence, or ``timeout_s`` is neither None nor a
@@ -124,7 +125,8 @@ def checked_requests(requests: Any, timeout_s: Any, results: list[Any]
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or not timeout_s > 0):
         raise UsageError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    return _parsed(requests, results)
+    results: list[Any] = [None] * len(requests)
+    return results, _parsed(requests, results)
 
 
 def _parsed(requests: Sequence[Any], results: list[Any]) -> Iterator[tuple[int, Slot, str, Mapping[str, Any]]]:

@@ -421,8 +421,7 @@ class ToolBackend(CallMethods, SnapshotMethods, ArtifactMethods, ProcessMethods,
         processes are killed) and re-raises CancelledError.
         """
         self._check_open()
-        results: list[ExecutionResult | None] = [None] * len(requests) if isinstance(requests, Sequence) else []
-        checked = checked_requests(requests, timeout_s, results)
+        results, checked = checked_requests(requests, timeout_s)
         grouped = on_output is None
         valid = []  # the requests that pass the checks, (index, slot, tool, args, pool)
         # Grouped: those by the sandbox of their slot's lease (None for a slot whose lease

@@ -48,7 +48,16 @@ async def snapshot_sandbox(backend: BackendView, profile: str | None, setup: Seq
         await backend.release(slot, reset_workspace=True)
     image_id = str(image.object_id)
     if use:
-        new = cfg.model_copy(update={"image": image_id})
-        backend.profiles[cfg.name] = new
-        pool.config = new  # sandboxes started from now on
+        use_image(backend, cfg.name, image_id)
     return image_id
+
+
+def use_image(backend: BackendView, profile: str, image_id: str) -> None:
+    """Profile ``profile``'s sandboxes started from now on (not those running) have image
+    ``image_id`` (``snapshot_sandbox(use=True)``; a host process's share of a profile is
+    told so by the one that made the image)."""
+    new = backend.profiles[profile].model_copy(update={"image": image_id})
+    backend.profiles[profile] = new
+    pool = backend._pools.get(profile)
+    if pool is not None:
+        pool.config = new

@@ -72,15 +72,20 @@ class SlotSnapshot:
         out = [] if self.released else ["caller"]
         for ref in self._forks:
             slot = ref()
-            if slot is not None and _held(slot):
+            if slot is not None and self._holds(slot):
                 out.append(slot.trajectory_id or slot.slot_id)
         return out
 
+    @staticmethod
+    def _holds(fork: Slot) -> bool:
+        """Whether ``fork`` (a slot started from this snapshot) is held: leased and still
+        its record's holder."""
+        return in_use(fork) and getattr(fork._sandbox, "holder", None) is fork
 
-def _held(slot: Slot) -> bool:
-    rec = slot._sandbox
-    return (slot.state not in (SlotState.AVAILABLE, SlotState.ERROR, SlotState.RELEASING)
-            and getattr(rec, "holder", None) is slot)
+
+def in_use(slot: Slot) -> bool:
+    """Whether ``slot``'s state is a lease's (not free, failed or being released)."""
+    return slot.state not in (SlotState.AVAILABLE, SlotState.ERROR, SlotState.RELEASING)
 
 
 class Snapshots:
@@ -120,6 +125,10 @@ class Snapshots:
             raise UsageError(f"snapshot {snap.snapshot_id} was released; take a new one")
         return snap
 
+    def _new_id(self) -> str:
+        """A new snapshot's id: ``snap-N``, with the backend's tag (a host process's)."""
+        return f"snap-{self.backend._id_tag}{next(_SEQ)}"
+
     # -- snapshot ----------------------------------------------------------------------
     async def snapshot(self, slot: Slot) -> SlotSnapshot:
         if not isinstance(slot, Slot):
@@ -129,7 +138,7 @@ class Snapshots:
         cap = pool.config.snapshot_disk * 1024 * 1024
         result = await self.ask(rec.sandbox, {"op": "snapshot", "slot": rec.index, "cap_bytes": cap},
                                 f"snapshot of slot {slot.slot_id}")
-        snap = SlotSnapshot(f"snap-{self.backend._id_tag}{next(_SEQ)}", pool.name, rec.sandbox.sandbox_id,
+        snap = SlotSnapshot(self._new_id(), pool.name, rec.sandbox.sandbox_id,
                             int(result["size_bytes"]), slot.trajectory_id)
         snap._copies[rec.sandbox.sandbox_id] = result["snapshot"]
         self.live[snap.snapshot_id] = snap
@@ -277,7 +286,7 @@ class Snapshots:
             sb = pool.record_of(slot).sandbox
             await pool.release(slot)
         reply = await transfer.import_chunks(self, sb, data)
-        snap = SlotSnapshot(f"snap-{self.backend._id_tag}{next(_SEQ)}", pool.name, sb.sandbox_id, int(reply["size_bytes"]))
+        snap = SlotSnapshot(self._new_id(), pool.name, sb.sandbox_id, int(reply["size_bytes"]))
         snap._copies[sb.sandbox_id] = reply["snapshot"]
         self.live[snap.snapshot_id] = snap
         return snap

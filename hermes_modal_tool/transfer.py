@@ -52,28 +52,47 @@ async def import_chunks(snaps: _Asks, sb: Sandbox,
     what = f"import into {sb.sandbox_id}"
     started = await snaps.ask(sb, {"op": "import_snapshot"}, what)
     stream = started["stream"]
-    if isinstance(chunks, (bytes, bytearray, memoryview)):
-        data = bytes(chunks)
-        chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
     try:
-        if hasattr(chunks, "__aiter__"):
-            async for chunk in chunks:  # type: ignore[union-attr]
-                await _send(snaps, sb, stream, chunk, what)
-        elif isinstance(chunks, Iterable):
-            for chunk in chunks:
-                await _send(snaps, sb, stream, chunk, what)
-        else:
-            raise UsageError(f"import_snapshot takes bytes or an (async) iterable of bytes, "
-                             f"got {type(chunks).__name__}")
+        async for chunk in import_pieces(chunks):
+            await _send(snaps, sb, stream, chunk, what)
     finally:
         end = await snaps.ask(sb, {"op": "import_snapshot", "stream": stream, "end": True}, what,
                               CHUNK_WAIT_S)
     return end
 
 
-async def _send(snaps: _Asks, sb: Sandbox, stream: str, chunk: bytes, what: str) -> None:
+async def import_pieces(data: Any) -> AsyncIterator[bytes | bytearray | memoryview]:
+    """``import_snapshot``'s data as pieces: bytes cut into :data:`CHUNK_BYTES`, or each
+    chunk of an iterable or async iterable of bytes (``import_chunks``, and a split
+    backend's router before it sends them to a host process).
+
+    Raises:
+        UsageError: ``data`` is none of those, or a chunk is not bytes (as it comes).
+    """
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data)
+        for i in range(0, len(view), CHUNK_BYTES):
+            yield view[i:i + CHUNK_BYTES]
+        return
+    if isinstance(data, AsyncIterable):
+        async for chunk in data:
+            yield _checked(chunk)
+    elif isinstance(data, Iterable):
+        for chunk in data:
+            yield _checked(chunk)
+    else:
+        raise UsageError(f"import_snapshot takes bytes or an (async) iterable of bytes, "
+                         f"got {type(data).__name__}")
+
+
+def _checked(chunk: Any) -> bytes | bytearray | memoryview:
     if not isinstance(chunk, (bytes, bytearray, memoryview)):
         raise UsageError(f"import_snapshot: each chunk must be bytes, got {type(chunk).__name__}")
+    return chunk
+
+
+async def _send(snaps: _Asks, sb: Sandbox, stream: str, chunk: bytes | bytearray | memoryview,
+                what: str) -> None:
     for i in range(0, len(chunk), CHUNK_BYTES):
         await snaps.ask(sb, {"op": "import_snapshot", "stream": stream,
                              "data": base64.b64encode(chunk[i:i + CHUNK_BYTES]).decode("ascii")},

@@ -11,10 +11,12 @@ import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, SandboxDiedError, UsageError
+from ..errors import SandboxDiedError, UsageError
 from ..previews import Preview
+from ..sandbox_images import use_image
 from ..slots import Slot
 from ..snapshots import SlotSnapshot
+from ..transfer import import_pieces
 from . import wire
 
 if TYPE_CHECKING:
@@ -26,12 +28,8 @@ def split_shares(profiles: Mapping[str, SandboxConfig], k: int) -> list[dict[str
     """Each host process's ``(min_sandboxes, max_sandboxes)`` of each profile: as even as
     whole sandboxes allow, the first processes taking the remainder; a process with no
     sandbox of any profile is not started (so there are at most max(max_sandboxes) of them).
-
-    Raises:
-        ConfigError: ``k`` is not a whole number >= 1.
+    ``k``: checked by ``resolve_host_processes``.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"host_processes must be a whole number >= 1, got {k!r}")
     shares: list[dict[str, tuple[int, int]]] = [{} for _ in range(k)]
     for name, cfg in profiles.items():
         for i in range(k):
@@ -105,6 +103,7 @@ class RouterData:
     _check_open: Any
     _hosts: list[HostProc]
     _host_previews: list[tuple[Preview, HostProc]]
+    _revoke_previews: Any
 
     async def snapshot(self, slot: Slot) -> SlotSnapshot:
         if not isinstance(slot, Slot):
@@ -167,7 +166,7 @@ class RouterData:
         rid = fut.rid  # type: ignore[attr-defined]
         credit = host.credit_for(rid)
         try:
-            async for piece in _pieces(data):
+            async for piece in import_pieces(data):
                 await credit.acquire()
                 if fut.done():
                     break
@@ -189,7 +188,7 @@ class RouterData:
         image: str = await self._ask(host, "snapshot_sandbox", profile, setup, use=use, timeout_s=timeout_s)
         if use:
             name = self.profile(profile).name  # type: ignore[attr-defined]
-            self.profiles[name] = self.profiles[name].model_copy(update={"image": image})  # type: ignore[attr-defined]
+            use_image(self, name, image)  # type: ignore[arg-type]  # the router's profiles (it has no pools)
             await asyncio.gather(*(self._ask(h, "use_image", name, image) for h in self._hosts
                                    if h is not host and h.alive))
         return image
@@ -242,9 +241,7 @@ class RouterData:
         if not isinstance(target, Slot):
             raise UsageError(f"unexpose() takes a Slot or a Preview, got {type(target).__name__}")
         count = await self._ask(self._host_of(target), "unexpose", target, port)
-        for preview, _h in self._host_previews:
-            if preview.slot_id == target.slot_id and port in (None, preview.port):
-                preview.revoked = True
+        self._revoke_previews(target.slot_id, port)
         return count
 
 
@@ -263,32 +260,3 @@ def _copy_bytes(src: Any, dst: Any, n: int) -> None:
             return
         dst.write(piece)
         n -= len(piece)
-
-
-async def _pieces(data: Any) -> AsyncIterator[bytes]:
-    """An import's data as pieces of at most 1 MiB: bytes, an iterable or an async iterable
-    of bytes.
-
-    Raises:
-        UsageError: anything else (as ``transfer.import_chunks`` words it).
-    """
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        view = memoryview(data)
-        for at in range(0, len(view), 1 << 20):
-            yield view[at:at + (1 << 20)]
-        return
-    if isinstance(data, AsyncIterable):
-        async for piece in data:
-            yield _bytes(piece)
-    elif isinstance(data, Iterable):
-        for piece in data:
-            yield _bytes(piece)
-    else:
-        raise UsageError(f"import_snapshot takes bytes or an (async) iterable of bytes, "
-                         f"got {type(data).__name__}")
-
-
-def _bytes(piece: Any) -> Any:
-    if not isinstance(piece, (bytes, bytearray, memoryview)):
-        raise UsageError(f"import_snapshot: each chunk must be bytes, got {type(piece).__name__}")
-    return piece

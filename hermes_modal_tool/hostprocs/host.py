@@ -209,11 +209,7 @@ class HostProc:
         try:
             sock.settimeout(STATUS_WAIT_S)
             sock.sendall(b"s")
-            head = _recv_exactly(sock, 4)
-            data = _recv_exactly(sock, int.from_bytes(head, "big"))
-            import pickle
-
-            return pickle.loads(data)  # type: ignore[no-any-return]
+            return wire.recv_frame(sock)  # type: ignore[no-any-return]
         except (OSError, EOFError) as exc:  # a frame half read: the socket is of no more use
             log.warning("host process %d: no status (%s)", self.index, exc)
             sock.close()
@@ -242,14 +238,3 @@ class HostProc:
         if self._status is not None:
             self._status.close()
         self.alive = False
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    parts = []
-    while n:
-        part = sock.recv(n)
-        if not part:
-            raise EOFError("the host process closed its status socket")
-        parts.append(part)
-        n -= len(part)
-    return b"".join(parts)

@@ -32,7 +32,7 @@ from .._call_group import checked_requests
 from ..errors import ConfigError, SandboxDiedError, UsageError
 from ..previews import Preview
 from ..slots import ExecutionResult, OutputEvent, Slot, SlotState
-from ..snapshots import SlotSnapshot
+from ..snapshots import SlotSnapshot, in_use
 from . import resolve_host_processes, wire
 from ._router_data import RouterData, merge_statuses, split_shares
 from .host import HostProc
@@ -151,11 +151,23 @@ class HostRouter:
         self._host_previews = [(p, h) for p, h in self._host_previews if not p.revoked] + [(preview, host)]
         return preview
 
+    def _owns(self, host: Any) -> bool:
+        """Whether ``host`` (a slot's ``_sandbox``) is one of this backend's host processes,
+        running or replaced."""
+        return isinstance(host, HostProc) and (host in self._hosts or host in self._exited)
+
     def _host_of(self, slot: Slot) -> HostProc:
         host = slot._sandbox
-        if not isinstance(host, HostProc) or (host not in self._hosts and host not in self._exited):
+        if not self._owns(host):
             raise UsageError(f"slot {slot.slot_id} does not belong to this backend")
-        return host
+        return host  # type: ignore[no-any-return]
+
+    def _revoke_previews(self, slot_id: str | None = None, port: int | None = None) -> None:
+        """Mark the caller's previews revoked: all, a slot's, or one port of a slot's (as
+        their host process revokes them on release, ``unexpose`` and ``stop``)."""
+        for preview, _host in self._host_previews:
+            if slot_id in (None, preview.slot_id) and port in (None, preview.port):
+                preview.revoked = True
 
     def _snap_host(self, snap: Any) -> HostProc:
         if not isinstance(snap, SlotSnapshot):
@@ -198,8 +210,7 @@ class HostRouter:
             return
         self._check_open()  # type: ignore[attr-defined]
         self._closed = True
-        for preview, _host in self._host_previews:
-            preview.revoked = True
+        self._revoke_previews()
         if self._hosts_ready is not None:
             await asyncio.gather(self._hosts_ready, return_exceptions=True)
         await asyncio.gather(*self._replacing, return_exceptions=True)
@@ -235,9 +246,7 @@ class HostRouter:
     async def _release(self, slot: Slot, reset_workspace: bool, measure_disk: bool) -> Any:
         host = self._host_of(slot)
         held = slot.state not in (SlotState.AVAILABLE, SlotState.RELEASING)
-        for preview, h in self._host_previews:
-            if h is host and preview.slot_id == slot.slot_id:
-                preview.revoked = True
+        self._revoke_previews(slot.slot_id)
         if not host.alive:
             if held:
                 host.held[slot.profile] -= 1
@@ -253,14 +262,13 @@ class HostRouter:
                             timeout_s: float | None = None,
                             on_output: Callable[[OutputEvent], Any] | None = None) -> list[ExecutionResult]:
         self._check_open()  # type: ignore[attr-defined]
-        results: list[Any] = [None] * len(requests) if isinstance(requests, Sequence) else []
-        checked = checked_requests(requests, timeout_s, results)
+        results, checked = checked_requests(requests, timeout_s)
         groups: dict[HostProc, tuple[list[int], list[tuple]]] = {}
         for i, slot, tool, args in checked:
             host = slot._sandbox
             group = groups.get(host)
             if group is None:
-                if not isinstance(host, HostProc) or (host not in self._hosts and host not in self._exited):
+                if not self._owns(host):
                     results[i] = ExecutionResult.failure(f"slot {slot.slot_id} does not belong to this backend",
                                                          slot.slot_id, "slot_not_held")
                     continue
@@ -325,16 +333,10 @@ class HostRouter:
 
 class RoutedSnapshot(SlotSnapshot):
     """A snapshot held by a host process, as the caller sees it: its forks are the
-    caller's slots (``holders`` reads their state here)."""
+    caller's slots, held while their state is a lease's (their records are in the host
+    process)."""
 
-    def holders(self) -> list[str]:
-        out = [] if self.released else ["caller"]
-        for ref in self._forks:
-            slot = ref()
-            if slot is not None and slot.state not in (SlotState.AVAILABLE, SlotState.ERROR,
-                                                       SlotState.RELEASING):
-                out.append(slot.trajectory_id or slot.slot_id)
-        return out
+    _holds = staticmethod(in_use)
 
 
 def _relay(indices: list[int], on_output: Callable[[OutputEvent], Any] | None) -> Callable[[Any], None] | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
+import socket
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,27 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     """The next frame's object. Raises ``asyncio.IncompleteReadError`` at the end."""
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     return pickle.loads(await reader.readexactly(size))
+
+
+def recv_frame(sock: socket.socket) -> Any:
+    """The next frame's object from a blocking socket (its timeout applies to each read).
+
+    Raises:
+        EOFError: the socket ended first. OSError: as ``sock.recv`` (a timeout among them).
+    """
+    (size,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
+    return pickle.loads(_recv_exactly(sock, size))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    parts = []
+    while n:
+        part = sock.recv(n)
+        if not part:
+            raise EOFError("the host process closed its socket")
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
 
 
 @dataclass(frozen=True)

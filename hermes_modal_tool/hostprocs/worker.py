@@ -27,6 +27,7 @@ from .. import loops
 from ..backend import ToolBackend
 from ..errors import HermesModalToolError, SandboxError, UsageError
 from ..previews import Preview
+from ..sandbox_images import use_image
 from ..slots import Slot
 from ..snapshots import SlotSnapshot
 from . import wire
@@ -35,7 +36,7 @@ from . import wire
 CALLS = frozenset({
     "start", "stop", "acquire", "release", "usage", "snapshot", "fork", "setup_snapshot",
     "import_snapshot", "export_snapshot", "release_snapshot", "snapshot_sandbox", "upload",
-    "download", "expose", "unexpose", "_process_request", "use_image", "get_status"})
+    "download", "expose", "unexpose", "_process_request", "use_image"})
 
 
 class HostProcess:
@@ -122,9 +123,9 @@ class HostProcess:
             raise UsageError(f"host process: no method {method!r}")
         args = tuple(self.resolve(rid, a) for a in args)
         if method == "use_image":
-            return self.use_image(*args), []
-        if method == "get_status":
-            return self.backend.get_status(), []
+            if args[0] in self.backend.profiles:  # a profile this process has a share of
+                use_image(self.backend, *args)
+            return None, []
         if method == "export_snapshot":
             return await self.stream(rid, self.backend.export_snapshot(args[0]))
         value = await getattr(self.backend, method)(*args, **kwargs)
@@ -136,18 +137,6 @@ class HostProcess:
             self.snaps.pop(args[0].snapshot_id, None)
             self.released.add(args[0].snapshot_id)
         return self.pack(value), [wire.slot_view(s) for s in slots]
-
-    def use_image(self, profile: str, image: str) -> None:
-        """The profile's sandboxes start from ``image`` from now on (``snapshot_sandbox(use=True)``
-        made in another host process)."""
-        assert self.backend is not None
-        if profile not in self.backend.profiles:
-            return
-        new = self.backend.profiles[profile].model_copy(update={"image": image})
-        self.backend.profiles[profile] = new
-        pool = self.backend._pools.get(profile)
-        if pool is not None:
-            pool.config = new
 
     async def stream(self, rid: int, items: AsyncIterator[bytes]) -> None:
         credit = self.credits[rid] = asyncio.Semaphore(wire.STREAM_CREDIT)
